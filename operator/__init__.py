@@ -1,0 +1,1 @@
+"""The kopf operator: InferenceService -> Deployment, PVC, Service, ServiceMonitor; autoscaling."""

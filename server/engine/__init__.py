@@ -1,0 +1,1 @@
+"""The paged-KV engine: block manager, scheduler, model runner, models, sampler."""

@@ -1,0 +1,1 @@
+"""Model implementations on pagoda's layers (Llama family)."""
