@@ -1,0 +1,1 @@
+"""Helpers shared by test areas (importable as `support.<module>`; tests/ is on pytest's pythonpath)."""
