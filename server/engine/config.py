@@ -1,0 +1,113 @@
+"""Engine configuration: `EngineArgs`, one field per `pagoda serve/generate/bench` flag.
+
+Every flag also reads its default from the environment variable ``PAGODA_<FLAG>`` (dashes become
+underscores, e.g. ``PAGODA_BLOCK_SIZE``), so the operator can configure pods with env vars only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "PAGODA_"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MiB', '80GB', '1e9' or an int → bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {value!r} (use e.g. 2GiB, 512MiB, 80GB or a number)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # None = the model's own
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda if available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = 2048 (chunked prefill) or max_model_len
+    max_model_len: int | None = None  # None = the model's
+    kv_cache_memory: int | None = None  # bytes, CPU (None = a share of free RAM, capped at 2 GiB)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_blocks: int | None = None  # override the pool size (tests use tiny pools)
+
+    @property
+    def num_gpu_blocks_override(self) -> int | None:
+        return self.num_blocks
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("engine")
+
+        def env(name: str, default):
+            return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+        def add(flag: str, **kw):
+            default = kw.pop("default", None)
+            group.add_argument(f"--{flag}", default=env(flag, default), **kw)
+
+        add("model", help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        add("tokenizer", help="tokenizer folder (default: the model's)")
+        add("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights/KV dtype")
+        add("device", default="auto", help="auto, cpu, cuda, cuda:N")
+        add("block-size", type=int, default=16, help="tokens per KV block")
+        add("max-num-seqs", type=int, default=256, help="max sequences in the running batch")
+        add("max-num-batched-tokens", type=int, help="max tokens per engine step")
+        add("max-model-len", type=int, help="max prompt + output tokens (default: the model's)")
+        add("kv-cache-memory", type=parse_bytes, help="KV pool size on CPU, e.g. 2GiB")
+        add("gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
+        add("num-blocks", type=int, help="force the number of KV blocks (overrides memory sizing)")
+        add("seed", type=int, default=0, help="seed for requests without their own seed")
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=_env_bool(env("enable-prefix-caching", None), True),
+            help="reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching turns it off)",
+        )
+        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        group.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=_env_bool(env("enable-chunked-prefill", None), True),
+            help="prefill long prompts in chunks within the per-step token budget",
+        )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        # argparse already converted env-var string defaults through each flag's `type`.
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
+
+
+def _env_bool(value: str | None, default: bool) -> bool:
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,68 @@
+"""What the engine hands back: per-request snapshots and an engine-wide stats snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() seconds; None until known."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative
+    token_ids: list[int]  # cumulative
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # one dict per output token: chosen + top-k
+    finish_reason: str | None = None  # None, "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    """A cheap snapshot of the engine for /metrics and /health."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_shared_blocks: int = 0  # ref_count > 1
+    block_size: int = 16
+    capacity_tokens: int = 0
+    max_model_len: int = 0
+    dtype: str = ""
+    # Cumulative counters
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_steps: int = 0
+    # Token counts of the steps since the previous stats() call
+    step_token_counts: list[int] = field(default_factory=list)
+    last_step_time: float | None = None
+    loop_alive: bool = False
