@@ -60,17 +60,22 @@ class TorchReferenceBackend:
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
         max_len = int(context_lens.max())
-        tables = block_tables[:, : (max_len + block_size - 1) // block_size].clamp(min=0).long()
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-        q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.to(compute).permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
+        # Table entries past a sequence's last block may hold any value: clamp them into range.
+        tables = block_tables[:, : (max_len + block_size - 1) // block_size]
+        tables = tables.clamp(min=0, max=k_cache.shape[0] - 1).long()
         positions = torch.arange(max_len, device=query.device)
         lengths = context_lens.to(query.device).long()[:, None]
         visible = positions[None, :] < lengths
         if sliding_window is not None:
             visible &= positions[None, :] >= lengths - sliding_window
+        # Slots past each context (other sequences' data, garbage, NaN) must not reach the matmuls:
+        # 0 * NaN would still poison the output.
+        hidden = ~visible[:, :, None, None]
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0)  # [B, L, KVH, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0)
+        compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+        q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.to(compute).permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v.to(compute).permute(0, 2, 1, 3))  # [B, KVH, G, D]

@@ -1,0 +1,36 @@
+"""Small helpers shared by the Triton kernel launchers."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not be rounded to TF32 inside tl.dot (the 1e-3 accuracy bound forbids it)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pow2_at_least(n: int, minimum: int) -> int:
+    """Power of two >= n and >= minimum (tl.arange needs powers of two, tl.dot tiles of >= 16)."""
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal count elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 64
+
+
+def upcast_dot(tensor: torch.Tensor) -> bool:
+    """Whether tl.dot operands must be cast to fp32 first: Triton's interpreter (CPU tensors)
+    multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584, unsupported upstream)."""
+    return tensor.device.type != "cuda" and tensor.dtype == torch.bfloat16
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation; UPCAST computes it in fp32 (see `upcast_dot`)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
