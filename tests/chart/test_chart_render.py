@@ -8,7 +8,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CHART, RULES, run
+from chart_support import CHART, RULES, run
 
 K8S_VERSION = "1.33.0"
 ALL_FEATURES = [
