@@ -1,0 +1,1 @@
+"""Building blocks of the Llama-family models: norms, rotary embeddings, projections, paged attention."""

@@ -1,0 +1,21 @@
+"""The SiLU-gated MLP of the Llama family: down(silu(gate(x)) * up(x)), gate/up in one matmul."""
+
+from __future__ import annotations
+
+import torch
+from pagoda.server.engine.layers.activation import silu_and_mul
+from pagoda.server.engine.layers.linear import MergedLinear
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(silu_and_mul(gate, up))

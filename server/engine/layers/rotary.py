@@ -1,0 +1,77 @@
+"""Rotary position embeddings: default and llama3-scaled frequencies, cos/sin cached per position."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of an HF config as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5.x keeps them in ``config.rope_parameters``; 4.x configs had ``rope_theta`` plus an
+    optional ``rope_scaling`` dict (whose type key was once ``type``).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    if "rope_theta" not in params:
+        raise ValueError(f"rope parameters {params} are per layer type or lack rope_theta; not supported")
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {params['rope_type']!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    return params
+
+
+def inverse_frequencies(params: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies (same formulas and op order as transformers)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if params["rope_type"] == "default":
+        return inv_freq
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    factor = params["factor"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to packed q [T, H, D] and k [T, KVH, D] at the given absolute positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(params, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # Kept in fp32 whatever the model dtype; cast per call like transformers does.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

