@@ -1,0 +1,1 @@
+"""The HTTP side of the serving pod: aiohttp app, OpenAI endpoints, SSE, server lifecycle."""

@@ -1,0 +1,188 @@
+"""Running validated requests through the engine: prompt checks, merged output streams, usage.
+
+A request with several prompts becomes one engine request per prompt; their snapshots are merged into
+one stream. Leaving the stream early (client gone, handler cancelled) cancels every engine request,
+which aborts it in the engine and frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagoda.server.engine.sampling_params import SamplingParams
+from pagoda.server.protocol import APIError, bad_request, error_from_validation
+
+if TYPE_CHECKING:
+    from pagoda.server.api.state import ServerState
+    from pagoda.server.engine.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+def check_prompt(
+    state: ServerState, token_ids: Sequence[int], params: SamplingParams, max_tokens_given: bool
+) -> SamplingParams:
+    """Refuse prompts that cannot fit; fill in max_tokens when the client left it to the server."""
+    engine = state.engine
+    assert engine is not None
+    vocab = len(engine.tokenizer)
+    if not token_ids:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if any(t < 0 or t >= vocab for t in token_ids):
+        raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    limit = engine.max_model_len
+    prompt_len = len(token_ids)
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{prompt_len} tokens, leaving no room for output.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    room = limit - prompt_len
+    if not max_tokens_given:
+        wanted = params.max_tokens
+        return dataclasses.replace(params, max_tokens=room if wanted is None else min(wanted, room))
+    assert params.max_tokens is not None
+    if prompt_len + params.max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
+            "for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return params
+
+
+def validate_params(params: SamplingParams) -> None:
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise error_from_validation(exc) from None
+
+
+_DONE = object()
+
+
+async def generate_all(
+    state: ServerState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, snapshot) from one engine request per prompt, as snapshots arrive.
+
+    Use inside `contextlib.aclosing` so the engine requests are cancelled as soon as the caller stops.
+    """
+    engine = state.engine
+    metrics = state.metrics
+    assert engine is not None and metrics is not None
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, prompt: list[int], prompt_params: SamplingParams) -> None:
+        engine_request_id = f"{request_id}-{index}"
+        tracker = metrics.request_tracker()
+        try:
+            async for output in engine.generate(prompt, prompt_params, engine_request_id):
+                tracker.update(output)
+                queue.put_nowait((index, output))
+        except asyncio.CancelledError:
+            tracker.finish("abort")
+            await engine.abort(engine_request_id)  # the generator aborts too; this makes it certain
+            raise
+        except ValueError as exc:  # validation, before anything was scheduled
+            queue.put_nowait((index, error_from_validation(exc)))
+            return
+        except Exception as exc:
+            tracker.finish("error")
+            log.exception("engine request %s failed", engine_request_id)
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, _DONE))
+
+    tasks = [
+        asyncio.create_task(pump(i, p, sp)) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            elif isinstance(item, BaseException):
+                raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+    completion_tokens = sum(len(choice.token_ids) for out in finals for choice in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)},
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # OpenAI knows "stop" and "length"; an engine-side abort ends the choice like a stop.
+    return "stop" if reason == "abort" else reason
+
+
+class TokenText:
+    """Per-token text for logprobs, decoded once per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one position (the dict also holds the chosen token)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
+
+@dataclasses.dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Cursor:
+    """How much of one choice the client has already been sent."""
+
+    chars: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+    def advance(self, choice: CompletionOutput) -> Delta | None:
+        """What is new in this cumulative snapshot, or None when nothing is."""
+        text = choice.text[self.chars :] if len(choice.text) > self.chars else ""
+        token_ids = choice.token_ids[self.tokens :]
+        logprobs = choice.logprobs[self.tokens :] if choice.logprobs is not None else None
+        reason = finish_reason(choice.finish_reason) if choice.finished and not self.finished else None
+        if not text and not token_ids and reason is None:
+            return None
+        self.chars = max(self.chars, len(choice.text))
+        self.tokens = len(choice.token_ids)
+        self.finished = choice.finished
+        return Delta(text, token_ids, logprobs, reason)

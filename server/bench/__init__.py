@@ -1,0 +1,1 @@
+"""`pagoda bench serve`: a load generator for OpenAI-compatible servers, and its offline baseline."""

@@ -1,0 +1,202 @@
+"""Prometheus metrics of one serving pod (names and meanings: docs/metrics.md, a contract).
+
+Engine state (queue lengths, KV blocks, cumulative token counters) is read from `engine.stats()` at
+scrape time by a custom collector, never pushed from the step loop. Per-request latencies are observed
+by the HTTP layer from each request's engine timestamps (`RequestOutput.metrics`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# 1 ms … 10 min: a decode step on an H200 and a long CPU prefill both land in a finite bucket.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
+)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class StatsReader:
+    """The one caller of `engine.stats()`: each call drains `step_token_counts`, so every reader
+    (scrapes, /health, the queue limit) goes through here and the step histogram loses nothing."""
+
+    def __init__(self, stats: Callable[[], EngineStats], on_steps: Callable[[list[int]], None]) -> None:
+        self._stats = stats
+        self._on_steps = on_steps
+        self._lock = threading.Lock()
+
+    def read(self) -> EngineStats:
+        with self._lock:
+            stats = self._stats()
+            self._on_steps(stats.step_token_counts)
+        return stats
+
+
+class _EngineCollector(Collector):
+    """Gauges and cumulative counters straight from an engine stats snapshot, read per scrape."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats | None]) -> None:
+        self._model_name = model_name
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._read_stats()
+        if stats is None:  # model still loading: nothing to report yet
+            return
+        label = [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        usage = stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
+        yield gauge("pagoda_num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("pagoda_num_requests_waiting", "Requests queued, not yet admitted.", stats.num_waiting)
+        yield gauge("pagoda_kv_cache_usage_ratio", "KV blocks in use / total blocks (0-1).", usage)
+        yield gauge("pagoda_kv_cache_blocks_total", "Physical KV blocks in the pool.", stats.num_blocks_total)
+        yield gauge(
+            "pagoda_kv_cache_blocks_used", "KV blocks referenced by live sequences.", stats.num_blocks_used
+        )
+        yield gauge("pagoda_kv_cache_capacity_tokens", "Tokens the KV pool can hold.", stats.capacity_tokens)
+        yield gauge(
+            "pagoda_kv_cache_shared_blocks", "KV blocks referenced by more than one sequence.",
+            stats.num_shared_blocks,
+        )  # fmt: skip
+        yield counter("pagoda_prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens)
+        yield counter("pagoda_generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("pagoda_preemptions", "Sequences preempted for lack of KV blocks.", stats.preemptions)
+        yield counter(
+            "pagoda_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )  # fmt: skip
+        yield counter(
+            "pagoda_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
+        info = GaugeMetricFamily(
+            "pagoda_engine_info",
+            "Engine configuration (value is always 1).",
+            labels=["model_name", "block_size", "num_blocks", "max_model_len", "dtype"],
+        )
+        info.add_metric(
+            [self._model_name, str(stats.block_size), str(stats.num_blocks_total), str(stats.max_model_len),
+             stats.dtype],
+            1,
+        )  # fmt: skip
+        yield info
+
+
+class ServerMetrics:
+    """One registry per server (tests run several servers in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats_reader: StatsReader | None = None
+        self._loaded = False
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = histogram(
+            "pagoda_time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "pagoda_inter_token_latency_seconds", "Gap between consecutive output tokens.", LATENCY_BUCKETS
+        )
+        self.e2e = histogram("pagoda_e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "pagoda_request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "pagoda_iteration_tokens",
+            "Tokens (prefill + decode) run in one engine step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+        finished = Counter(
+            "pagoda_requests_finished",
+            "Finished requests by reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.registry.register(_EngineCollector(model_name, self.read_stats))
+
+    def attach(self, stats: Callable[[], EngineStats]) -> None:
+        """Start reading engine stats (called once the model is loaded)."""
+        self._stats_reader = StatsReader(stats, self._observe_steps)
+
+    def read_stats(self) -> EngineStats | None:
+        return self._stats_reader.read() if self._stats_reader else None
+
+    def _observe_steps(self, counts: list[int]) -> None:
+        for count in counts:
+            self.iteration_tokens.observe(count)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Turns one engine request's snapshots into latency observations; finish exactly once."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._tokens_seen = 0
+        self._last_token_time: float | None = None
+        self._done = False
+
+    def update(self, output: RequestOutput) -> None:
+        times = output.metrics
+        tokens = len(output.outputs[0].token_ids) if output.outputs else 0
+        new = tokens - self._tokens_seen
+        if new > 0 and times.last_token_time is not None:
+            if self._last_token_time is not None:
+                # Snapshots may coalesce several steps; spread the gap evenly over their tokens.
+                gap = max(times.last_token_time - self._last_token_time, 0.0) / new
+                for _ in range(new):
+                    self._metrics.itl.observe(gap)
+            elif new > 1:  # first snapshot already holds several tokens: gaps after the first one
+                first = times.first_token_time or times.last_token_time
+                gap = max(times.last_token_time - first, 0.0) / (new - 1)
+                for _ in range(new - 1):
+                    self._metrics.itl.observe(gap)
+            self._tokens_seen = tokens
+            self._last_token_time = times.last_token_time
+        if output.finished:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self.finish(reason or "stop", output)
+
+    def finish(self, reason: str, output: RequestOutput | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.finished[reason if reason in FINISHED_REASONS else "stop"].inc()
+        if output is None:
+            return
+        times = output.metrics
+        if times.first_scheduled_time is not None:
+            self._metrics.queue_time.observe(max(times.first_scheduled_time - times.arrival_time, 0.0))
+        if times.first_token_time is not None:
+            self._metrics.ttft.observe(max(times.first_token_time - times.arrival_time, 0.0))
+        end = times.finished_time or times.last_token_time
+        if end is not None:
+            self._metrics.e2e.observe(max(end - times.arrival_time, 0.0))

@@ -1,0 +1,330 @@
+"""OpenAI request validation and error bodies: JSON in, typed requests (or an `APIError`) out.
+
+Everything a client can send is checked here, before the engine sees it, so malformed input becomes a
+4xx with OpenAI's error JSON and never reaches the step loop. Unknown top-level fields are refused
+(like OpenAI does) except a few harmless ones that only carry client bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.server.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # choices per request; more is almost always a client bug and multiplies KV use
+MAX_STOP_SEQUENCES = 16
+# Fields OpenAI clients may send that change nothing about generation.
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_from_validation(exc: ValueError) -> APIError:
+    """SamplingParams.validate() messages read "<param>: <what is wrong>"."""
+    text = str(exc)
+    param, sep, _ = text.partition(": ")
+    return bad_request(text, param=param if sep and param.isidentifier() else None)
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class GenerationRequest:
+    """What the completions and chat endpoints share once validated."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    # False: max_tokens is the endpoint's default (16 for completions, none for chat), which the
+    # server shrinks to what fits in the context; an explicit value that does not fit is a 400.
+    max_tokens_given: bool = False
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[ChatMessage] = field(default_factory=list)
+    top_logprobs: int | None = None  # None = logprobs off
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed field readers: each raises a 400 naming the parameter.
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _int(
+    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad_request(f"{name}: must be an integer, got {value!r}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise bad_request(f"{name}: must be in {bounds}, got {value}", param=name)
+    return value
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise bad_request(f"{name}: must be a finite number, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise bad_request(f"{name}: must be in [{lo}, {hi}], got {value}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name}: must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _stop(body: dict) -> list[str] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop: must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"stop: at most {MAX_STOP_SEQUENCES} sequences", param="stop")
+    return stops or None
+
+
+def _stop_token_ids(body: dict) -> list[int] | None:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request("stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
+    return value
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    for name in body:
+        if name not in known and name not in _IGNORED_FIELDS:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", param=name)
+
+
+def _refuse_unsupported(body: dict, name: str, supported: Any = None, why: str = "is not supported") -> None:
+    value = body.get(name)
+    if value is not None and value != supported and value not in ({}, []):
+        raise bad_request(f"{name}: {why}", param=name)
+
+
+def _common(body: dict, default_max_tokens: int | None) -> tuple[dict, bool, bool]:
+    """Read the sampling fields both endpoints share; returns (SamplingParams kwargs, stream, include_usage)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model: must be a string, got {model!r}", param="model")
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of: only best_of == n is supported", param="best_of")
+    max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
+    kwargs = dict(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", -1, -1),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 1e-6, 100.0),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+    )
+    if kwargs["top_p"] == 0.0:
+        raise bad_request("top_p: must be in (0, 1], got 0", param="top_p")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("stream_options: must be an object", param="stream_options")
+        if not stream:
+            raise bad_request("stream_options: only allowed when stream is true", param="stream_options")
+        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise bad_request(f"stream_options: unknown field {sorted(unknown)[0]}", param="stream_options")
+        include_usage = _bool(options, "include_usage", False)
+    return kwargs, stream, include_usage
+
+
+_SAMPLING_FIELDS = {
+    "model", "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "include_stop_str_in_output", "stream", "stream_options", "logit_bias",
+}  # fmt: skip
+
+
+def _require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object")
+    return body
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: str, [str], [int] (token ids), [[int]]."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_int(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+            return [list(p) for p in value]
+    raise bad_request(
+        "prompt: must be a non-empty string, list of strings, list of token ids or list of token-id lists",
+        param="prompt",
+    )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    body = _require_object(body)
+    _check_fields(body, _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix"})
+    if "prompt" not in body:
+        raise bad_request("prompt: is required", param="prompt")
+    prompts = _prompts(body["prompt"])
+    _refuse_unsupported(body, "echo", supported=False)
+    _refuse_unsupported(body, "suffix", why="is not supported (no insertion models)")
+    _refuse_unsupported(body, "logit_bias")
+    kwargs, stream, include_usage = _common(body, default_max_tokens=16)
+    kwargs["logprobs"] = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return CompletionRequest(
+        model=body.get("model"),
+        params=SamplingParams(**kwargs),
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens_given=body.get("max_tokens") is not None,
+        prompts=prompts,
+    )
+
+
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+def _message(index: int, value: Any) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(value, dict):
+        raise bad_request(f"{where}: must be an object", param="messages")
+    role = value.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}", param="messages")
+    content = value.get("content")
+    if isinstance(content, list):  # content parts: only text is understood by a text-only model
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(f"{where}.content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content: must be a string or a list of text parts", param="messages")
+    if value.get("tool_calls") or role == "tool":
+        raise bad_request(f"{where}: tool calls are not supported", param="messages")
+    return ChatMessage(role="system" if role == "developer" else role, content=content)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    body = _require_object(body)
+    _check_fields(
+        body,
+        _SAMPLING_FIELDS
+        | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+           "tool_choice", "functions", "function_call"},
+    )  # fmt: skip
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages: must be a non-empty list", param="messages")
+    parsed = [_message(i, m) for i, m in enumerate(messages)]
+    for name in ("tools", "functions"):
+        _refuse_unsupported(body, name, why="tool calling is not supported")
+    for name in ("tool_choice", "function_call"):
+        _refuse_unsupported(body, name, supported="none", why="tool calling is not supported")
+    _refuse_unsupported(body, "logit_bias")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("response_format: only {'type': 'text'} is supported", param="response_format")
+    # max_completion_tokens is the new name of max_tokens; either may come.
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = _int(body, limit_name, None, 1)
+    kwargs, stream, include_usage = _common({**body, "max_tokens": None}, default_max_tokens=None)
+    kwargs["max_tokens"] = limit
+    logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if logprobs:
+        top_logprobs = top_logprobs or 0
+        kwargs["logprobs"] = top_logprobs
+    return ChatRequest(
+        model=body.get("model"),
+        params=SamplingParams(**kwargs),
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens_given=limit is not None,
+        messages=parsed,
+        top_logprobs=top_logprobs,
+    )

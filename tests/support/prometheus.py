@@ -1,0 +1,149 @@
+"""A real Prometheus (Debian's `prometheus` binary) for tests: scrape given targets, answer PromQL.
+
+    with PrometheusServer(["127.0.0.1:8000"], tmp_path) as prom:
+        prom.wait_for("pagoda_num_requests_running")      # polls until the query returns data
+        prom.query('sum(pagoda_generation_tokens_total)')  # -> list of {"metric": {...}, "value": [t, "v"]}
+
+Listens on a free loopback port, scrapes every `scrape_interval` seconds, keeps its TSDB in `workdir`.
+Tests that need it should skip when the binary is missing (`prometheus_binary() is None`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def prometheus_binary() -> str | None:
+    return shutil.which("prometheus")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PrometheusServer:
+    def __init__(
+        self,
+        targets: list[str],
+        workdir: Path,
+        *,
+        scrape_interval: float = 1.0,
+        job: str = "pagoda",
+        metrics_path: str = "/metrics",
+    ) -> None:
+        self.targets = targets
+        self.workdir = Path(workdir)
+        self.scrape_interval = scrape_interval
+        self.job = job
+        self.metrics_path = metrics_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def _write_config(self) -> Path:
+        interval = f"{int(self.scrape_interval * 1000)}ms"
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {
+                    "job_name": self.job,
+                    "metrics_path": self.metrics_path,
+                    "scrape_interval": interval,
+                    "scrape_timeout": interval,
+                    "static_configs": [{"targets": self.targets}],
+                }
+            ],
+        }
+        path = self.workdir / "prometheus.yml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        return path
+
+    def start(self, timeout: float = 30.0) -> PrometheusServer:
+        binary = prometheus_binary()
+        if binary is None:
+            raise RuntimeError("prometheus binary not found (apt-get install prometheus)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self._write_config()
+        self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.log_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"prometheus not ready after {timeout} s: {self.log_text()[-2000:]}")
+
+    def log_text(self) -> str:
+        path = self.workdir / "prometheus.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """Instant query; the `result` list (empty when there is no data)."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = json.load(response)
+        if body.get("status") != "success":
+            raise RuntimeError(f"query {promql!r} failed: {body}")
+        return body["data"]["result"]
+
+    def wait_for(self, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Poll `promql` until it returns data; TimeoutError naming the query otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(promql)
+            if result or time.monotonic() > deadline:
+                break
+            time.sleep(self.scrape_interval / 2)
+        if not result:
+            raise TimeoutError(f"no data for {promql!r} after {timeout} s")
+        return result
+
+    def targets_health(self) -> list[str]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=5) as response:
+            return [t["health"] for t in json.load(response)["data"]["activeTargets"]]
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
