@@ -13,3 +13,4 @@ async def fake_pods() -> AsyncIterator[FakePodFarm]:
     farm = FakePodFarm()
     yield farm
     await farm.close()
+

@@ -1,0 +1,118 @@
+"""The autoscaler's kopf handler: per InferenceService, every `intervalSeconds`, collect → decide → act.
+
+A daemon rather than a `kopf.timer`: a timer's interval is fixed at import, while `intervalSeconds`
+is per object and may change (the daemon's `spec` is a live view, re-read every round).
+
+Each round: read the scale subresource (current replicas, pod selector); list the pods; scrape the
+ready ones (or query Prometheus); write `status.kvCache` (always, even with autoscaling disabled);
+when enabled, decide (pure HPA maths), write `spec.replicas` through the scale subresource if it
+changes, post an Event, and record the decision in `status.autoscaling`. Disabled autoscaling never
+touches `spec.replicas`, so users, HPA or KEDA can own it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import aiohttp
+import kopf
+from pagoda.operator.autoscaling import kube, report, telemetry
+from pagoda.operator.autoscaling.config import Collection, collection_from_spec, policy_from_spec
+from pagoda.operator.autoscaling.decision import PodObservation, Recommendation, decide
+from pagoda.operator.autoscaling.metrics import PodSample, query_prometheus, scrape_pods
+from pagoda.operator.autoscaling.pods import is_ready, live_pods, scrape_target
+
+HISTORY_MEMO_KEY = "autoscaler_history"
+
+_clock_anchors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[float, float]] = (
+    weakref.WeakKeyDictionary())
+
+
+def wall_clock() -> float:
+    """Wall-clock seconds that advance with the event loop's clock (anchored once per loop).
+
+    Monotonic in production (no jumps when the node's clock is corrected), and in tests it follows
+    looptime's fake clock, so stabilization windows of minutes take no real time.
+    """
+    loop = asyncio.get_running_loop()
+    if loop not in _clock_anchors:
+        _clock_anchors[loop] = (time.time(), loop.time())
+    wall, at = _clock_anchors[loop]
+    return wall + loop.time() - at
+
+
+async def collect(collection: Collection, namespace: str,
+                  ready_pods: list[Mapping[str, Any]]) -> dict[str, PodSample | str]:
+    if collection.prometheus_url:
+        names = [p["metadata"]["name"] for p in ready_pods]
+        # Series older than two intervals are stale: treat those pods as missing.
+        return await query_prometheus(collection.prometheus_url, namespace, names,
+                                      timeout=collection.scrape_timeout_s,
+                                      max_age_s=max(2 * collection.interval_s, 30.0))
+    return await scrape_pods([scrape_target(p) for p in ready_pods], timeout=collection.scrape_timeout_s)
+
+
+def known_history(memo: MutableMapping[str, Any], status: Mapping[str, Any], current: int,
+                  now: float) -> tuple[Recommendation, ...]:
+    """Recent recommendations: from memory; after a restart from status; else assume the current count
+    was just recommended (a fresh operator never scales down before one window has passed)."""
+    if HISTORY_MEMO_KEY in memo:
+        return memo[HISTORY_MEMO_KEY]
+    return report.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
+
+
+async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], status: Mapping[str, Any],
+                         memo: MutableMapping[str, Any], body: Any, logger: Any) -> None:
+    autoscaling = spec.get("autoscaling") or {}
+    scale = await kube.get_scale(namespace, name, logger)
+    selector = (scale.get("status") or {}).get("selector")
+    if not selector:
+        logger.debug("autoscaler: no pod selector in status yet; waiting for the first reconcile")
+        return
+    current = int((scale.get("spec") or {}).get("replicas") or 0)
+    pods = live_pods(await kube.list_pods(namespace, selector, logger))
+    ready = [p for p in pods if is_ready(p)]
+    not_ready = [p["metadata"]["name"] for p in pods if not is_ready(p)]
+    samples = await collect(collection_from_spec(autoscaling), namespace, ready)
+    now = wall_clock()
+
+    status_patch: dict[str, Any] = {}
+    if (kv_cache := report.kv_cache_status(samples, now)) is not None:
+        status_patch["kvCache"] = kv_cache
+    if autoscaling.get("enabled"):
+        observations = [PodObservation(n, True, s.values() if isinstance(s, PodSample) else {})
+                        for n, s in samples.items()] + [PodObservation(n, False) for n in not_ready]
+        history = known_history(memo, status, current, now)
+        decision = decide(current, observations, policy_from_spec(autoscaling), history, now)
+        memo[HISTORY_MEMO_KEY] = decision.history
+        scaled_at = None
+        if decision.direction != "none":
+            await kube.set_replicas(namespace, name, decision.desired_replicas, logger)
+            scaled_at = now
+            message = f"{current} → {decision.desired_replicas}: {decision.reason}"
+            logger.info(f"autoscaler: {message}")
+            kopf.info(body, reason="Scaled" + decision.direction.capitalize(), message=message[:1000])
+        telemetry.record(namespace, name, decision)
+        status_patch["autoscaling"] = report.autoscaling_status(
+            decision, samples, not_ready, status.get("autoscaling"), scaled_at)
+    if status_patch:
+        await kube.patch_status(namespace, name, status_patch, logger)
+
+
+@kopf.daemon(kube.GROUP, kube.VERSION, kube.PLURAL, cancellation_timeout=10.0)
+async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spec: Mapping[str, Any],
+                     status: Mapping[str, Any], memo: MutableMapping[str, Any], body: Any, logger: Any,
+                     **_: Any) -> None:
+    while not stopped:
+        try:
+            await autoscale_once(namespace, name, spec, status, memo, body, logger)
+        except kube.NotFound:
+            logger.debug("autoscaler: the InferenceService is gone")
+        except (kube.APIError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # A missed round is harmless: the next one starts from fresh observations.
+            logger.warning(f"autoscaler: round skipped: {exc!r}")
+        await stopped.wait(collection_from_spec(spec.get("autoscaling")).interval_s)
