@@ -29,7 +29,10 @@ class CompletionFormatter:
             text = self._token_text(token_id)
             tokens.append(text)
             token_logprobs.append(entry.get(token_id))
-            tops.append({self._token_text(t): lp for t, lp in top_entries(entry, self._top_k)} or None)
+            top: dict[str, float] = {}
+            for top_id, top_lp in top_entries(entry, self._top_k):
+                top.setdefault(self._token_text(top_id), top_lp)  # tokens may share a text: keep the likelier
+            tops.append(top or None)
             offsets.append(offset)
             offset += len(text)
         self._offsets[index] = offset
@@ -63,7 +66,8 @@ async def create_completion(request: web.Request, state: ServerState, body: Any)
     req = parse_completion_request(body)
     state.check_model(req.model)
     with state.admit() as engine:
-        prompts = [p if isinstance(p, list) else engine.tokenizer.encode(p) for p in req.prompts]
+        # Tokenized exactly like the engine does for text prompts (an empty one stays empty: a 400).
+        prompts = [p if isinstance(p, list) else engine.tokenizer.encode(p) if p else [] for p in req.prompts]
         ids = ResponseIds("cmpl", state.model_name)
         formatter = CompletionFormatter(ids, TokenText(engine.tokenizer), req.params.logprobs)
         return await serve_generation(request, state, req, prompts, ids, formatter, "text_completion")

@@ -140,7 +140,8 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 class TokenText:
-    """Per-token text for logprobs, decoded once per token id."""
+    """Per-token text for logprobs, decoded once per token id (special tokens hidden, as in the text;
+    a token holding part of a multi-byte character shows U+FFFD)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -149,7 +150,7 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=True)
         return text
 
 

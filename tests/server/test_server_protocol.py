@@ -64,5 +64,7 @@ def test_completion_errors_name_the_parameter(body, param):
 
 
 def test_validation_message_becomes_param():
-    error = error_from_validation(ValueError("top_k: must be -1 (off), 0 (off) or a positive integer, got -5"))
+    error = error_from_validation(
+        ValueError("top_k: must be -1 (off), 0 (off) or a positive integer, got -5")
+    )
     assert error.param == "top_k" and error.status == 400
