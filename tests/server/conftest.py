@@ -7,8 +7,12 @@ The server's event loop runs in a background thread so tests can use the officia
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +96,31 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@dataclass
+class HTTPResult:
+    status: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def http(base_url: str, method: str, path: str, body: Any = None, headers: dict | None = None) -> HTTPResult:
+    """Plain HTTP (urllib): `body` a dict is sent as JSON, bytes as they are."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(base_url + path, data=data, method=method, headers=headers or {})
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return HTTPResult(response.status, response.read().decode())
+    except urllib.error.HTTPError as error:
+        return HTTPResult(error.code, error.read().decode())
+
+
+@pytest.fixture(scope="session")
+def http_request() -> Callable[..., HTTPResult]:
+    """http_request(base_url, method, path, body=None, headers=None) -> HTTPResult."""
+    return http
