@@ -14,7 +14,8 @@ our operators depend on:
   requires `fieldManager`, and removes fields the same manager applied before but no longer applies
   (maps only; lists are atomic, as for most lists without a merge key);
 - `labelSelector` filtering on list and watch (=, ==, !=, in, notin, exists, !exists);
-- garbage collection: objects whose owners (ownerReferences uids) are all gone are deleted.
+- garbage collection: objects whose owners (ownerReferences uids) are all gone are deleted;
+- no-op writes (a patch or apply that changes nothing) store no new version and send no watch event.
 
 Not emulated: schema validation/defaulting, strategic-merge of lists, field-ownership conflicts between
 managers, controllers (no Deployment makes Pods: tests create Pods themselves), PUT, fieldSelector,
@@ -178,6 +179,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                              data=self._stamp_new(copy.deepcopy(request.data), request.namespace))
                     return await super()._handle(request)
                 _rewrite(request, data=self._apply_as_merge(request, manager))
+            stored = self._stored(request)
+            if stored is not None and not self._changes(request, stored):
+                return aiohttp.web.json_response(stored.raw)  # a no-op write: no new version, no event
             _rewrite(request, data=self._isolate_and_stamp(request))
         response = await super()._handle(request)
         if request.action in (kmock.action.DELETE, kmock.action.UPDATE):
@@ -205,17 +209,24 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._applied[key] = copy.deepcopy(request.data)
         return _with_removals(copy.deepcopy(request.data), previous)
 
+    def _isolated(self, request: rendering.Request) -> Any:
+        """The part of a patch this endpoint may change (status subresource isolation)."""
+        data = request.data
+        if isinstance(data, dict) and self._has_subresource(request.resource, "status"):
+            if request.subresource == "status":
+                return {"status": data.get("status")} if "status" in data else {}
+            if request.subresource is None:
+                return {k: v for k, v in data.items() if k != "status"}
+        return data
+
+    def _changes(self, request: rendering.Request, stored: kmock.Object) -> bool:
+        return dicts.patch_dict(copy.deepcopy(stored.raw), self._isolated(request)) != stored.raw
+
     def _isolate_and_stamp(self, request: rendering.Request) -> Any:
         stored = self._stored(request)
         if stored is None:
             return request.data  # kmock answers 404
-        data = request.data
-        has_status = self._has_subresource(request.resource, "status")
-        if isinstance(data, dict) and has_status:
-            if request.subresource == "status":
-                data = {"status": data.get("status")} if "status" in data else {}
-            elif request.subresource is None:
-                data = {k: v for k, v in data.items() if k != "status"}
+        data = self._isolated(request)
         before = stored.raw
         after = dicts.patch_dict(copy.deepcopy(before), data)
         meta = before.get("metadata", {})

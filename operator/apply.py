@@ -1,0 +1,48 @@
+"""The only code that writes children: server-side apply (field manager `pagoda-operator`, force).
+
+Apply sends the whole desired object every time: the API server merges it with what others own
+(the autoscaler's replicas via our spec, kubectl annotations, defaulted fields), removes fields we
+applied before and dropped since, and answers with no change when nothing differs, so re-running a
+reconcile (operator restart, resume) writes nothing new. Owner references come from `render`, so
+deleting the InferenceService garbage-collects every child.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kopf._cogs.clients import api as kopf_api
+from kopf._core.engines.posting import settings_var
+from pagoda.operator.kube import Logger, NotFound, path
+from pagoda.operator.render import FIELD_MANAGER, KINDS, ChildKind, Desired
+
+APPLY_PATCH = {"Content-Type": "application/apply-patch+yaml"}  # a JSON body is valid YAML
+
+
+def object_path(obj: dict[str, Any], **query: str) -> str:
+    kind = KINDS[obj["kind"]]
+    meta = obj["metadata"]
+    return path(kind.api_version, kind.plural, meta.get("namespace"), meta["name"], **query)
+
+
+async def apply(obj: dict[str, Any], logger: Logger) -> dict[str, Any]:
+    return await kopf_api.patch(object_path(obj, fieldManager=FIELD_MANAGER, force="true"), payload=obj,
+                                headers=APPLY_PATCH, settings=settings_var.get(), logger=logger)
+
+
+async def delete_if_present(kind: ChildKind, namespace: str, name: str, logger: Logger) -> bool:
+    try:
+        await kopf_api.delete(path(kind.api_version, kind.plural, namespace, name),
+                              settings=settings_var.get(), logger=logger)
+    except NotFound:
+        return False
+    return True
+
+
+async def apply_desired(desired: Desired, namespace: str, logger: Logger) -> list[dict[str, Any]]:
+    """Apply every desired object, then delete the ones that must not exist; returns what the API stored."""
+    stored = [await apply(obj, logger) for obj in desired.objects]
+    for kind, name in desired.absent:
+        if await delete_if_present(kind, namespace, name, logger):
+            logger.info(f"deleted {kind.kind} {name}: no longer wanted")
+    return stored

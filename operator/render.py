@@ -1,0 +1,375 @@
+"""InferenceService spec → the desired child objects. Pure functions: no API calls, no clock.
+
+Children (all owned by the InferenceService, so deleting it garbage-collects them):
+- PVC `<name>-weights` for hf:// models, filled once by the `model-download` init container;
+- Deployment `<name>` running `pagoda serve` (replicas from spec.replicas, never from the template);
+- Service `<name>` (port 8000 `http`);
+- ServiceMonitor `<name>` when wanted and its CRD is installed;
+- PodDisruptionBudget `<name>` when spec.replicas > 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.operator import crd
+
+FIELD_MANAGER = "pagoda-operator"
+SERVER_PORT = 8000
+MODELS_DIR = "/models"
+DOWNLOAD_MARKER = ".pagoda-download-complete"
+TEMPLATE_HASH_ANNOTATION = f"{crd.GROUP}/pod-template-hash"
+OWNER_LABEL = f"{crd.GROUP}/inferenceservice"
+SERVER_CONTAINER = "server"
+DOWNLOAD_CONTAINER = "model-download"
+UID = 1000  # the serving image's non-root user
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService that owns the children (for names, namespace and ownerReferences)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the server reads the weights, and whether the operator makes and fills a PVC for them."""
+
+    scheme: str  # hf | pvc | file
+    model_path: str  # PAGODA_MODEL inside the container
+    claim: str | None = None  # the PVC mounted at /models
+    repo_id: str | None = None  # hf:// only
+    revision: str | None = None  # hf:// only
+
+    @property
+    def downloads(self) -> bool:
+        return self.scheme == "hf"
+
+
+def parse_model_uri(uri: str, owner_name: str) -> ModelSource:
+    if not re.fullmatch(crd.MODEL_URI_PATTERN[1:-1], uri):
+        raise ValueError(f"unsupported model uri: {uri!r}")
+    scheme, rest = uri.split("://", 1)
+    if scheme == "hf":
+        repo_id, _, revision = rest.partition("@")
+        revision = revision or "main"
+        return ModelSource("hf", f"{MODELS_DIR}/hf/{repo_id}/{revision}", claim=weights_claim(owner_name),
+                           repo_id=repo_id, revision=revision)
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return ModelSource("pvc", f"{MODELS_DIR}/{path}".rstrip("/"), claim=claim)
+    return ModelSource("file", rest)
+
+
+def weights_claim(name: str) -> str:
+    return f"{name}-weights"
+
+
+def served_name(spec: dict[str, Any]) -> str:
+    """The OpenAI model name: spec.model.servedName, else the uri's last path part without @revision."""
+    if spec["model"].get("servedName"):
+        return spec["model"]["servedName"]
+    return spec["model"]["uri"].split("://", 1)[1].split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    return {OWNER_LABEL: owner.name, "app.kubernetes.io/component": "inference"}
+
+
+def selector_string(owner: Owner) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(owner).items()))
+
+
+def common_labels(owner: Owner) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pagoda-server", "app.kubernetes.io/instance": owner.name,
+            "app.kubernetes.io/managed-by": FIELD_MANAGER, "app.kubernetes.io/part-of": "pagoda",
+            **selector_labels(owner)}
+
+
+def endpoint(owner: Owner) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc:{SERVER_PORT}/v1"
+
+
+def _metadata(owner: Owner, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": labels or common_labels(owner),
+            "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": owner.name,
+                                 "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}]}
+
+
+# --- the PVC and its download ------------------------------------------------------------------------
+
+
+def weights_pvc(owner: Owner, spec: dict[str, Any]) -> dict[str, Any]:
+    storage = spec["storage"]
+    pvc_spec: dict[str, Any] = {"accessModes": list(storage["accessModes"]),
+                                "resources": {"requests": {"storage": storage["size"]}}}
+    if storage.get("storageClassName"):
+        pvc_spec["storageClassName"] = storage["storageClassName"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _metadata(owner, weights_claim(owner.name)), "spec": pvc_spec}
+
+
+# Runs in the serving image (it has huggingface_hub). The marker is written last, so an interrupted
+# download is resumed on the next start, and a present marker skips the hub entirely.
+DOWNLOAD_SCRIPT = f"""\
+import os, pathlib
+from huggingface_hub import snapshot_download
+target = pathlib.Path(os.environ["PAGODA_MODEL"])
+marker = target / "{DOWNLOAD_MARKER}"
+if marker.exists():
+    print(f"model already present in {{target}}, skipping download")
+else:
+    target.mkdir(parents=True, exist_ok=True)
+    snapshot_download(repo_id=os.environ["HF_REPO_ID"], revision=os.environ["HF_REVISION"],
+                      local_dir=target, token=os.environ.get("HF_TOKEN") or None)
+    marker.write_text(os.environ["HF_REVISION"])
+    print(f"downloaded {{os.environ['HF_REPO_ID']}}@{{os.environ['HF_REVISION']}} into {{target}}")
+"""
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def download_container(spec: dict[str, Any], source: ModelSource, image: str) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        {"name": "PAGODA_MODEL", "value": source.model_path},
+        {"name": "HF_REPO_ID", "value": source.repo_id},
+        {"name": "HF_REVISION", "value": source.revision},
+        {"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    secret = spec["model"].get("hfTokenSecretRef")
+    if secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", "token")}}})
+    container: dict[str, Any] = {
+        "name": DOWNLOAD_CONTAINER, "image": image, "command": ["python", "-c", DOWNLOAD_SCRIPT], "env": env,
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+# --- the server Deployment ---------------------------------------------------------------------------
+
+
+def engine_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, str]]:
+    """`pagoda serve` engine flags as PAGODA_* variables (booleans as "true"/"false")."""
+    engine = spec["engine"]
+    values: dict[str, Any] = {
+        "PAGODA_MODEL": source.model_path,
+        "PAGODA_SERVED_MODEL_NAME": served_name(spec),
+        "PAGODA_DTYPE": engine["dtype"],
+        "PAGODA_BLOCK_SIZE": engine["blockSize"],
+        "PAGODA_MAX_NUM_SEQS": engine["maxNumSeqs"],
+        "PAGODA_MAX_MODEL_LEN": engine.get("maxModelLen"),
+        "PAGODA_MAX_NUM_BATCHED_TOKENS": engine.get("maxNumBatchedTokens"),
+        "PAGODA_GPU_MEMORY_UTILIZATION": engine["gpuMemoryUtilization"],
+        "PAGODA_ENABLE_PREFIX_CACHING": engine["enablePrefixCaching"],
+        "PAGODA_ENABLE_CHUNKED_PREFILL": engine["enableChunkedPrefill"],
+        "PAGODA_SEED": engine.get("seed"),
+        "PAGODA_DRAIN_TIMEOUT": spec["drainTimeoutSeconds"],
+    }
+    return [{"name": k, "value": _env_value(v)} for k, v in values.items() if v is not None]
+
+
+def _env_value(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+# Writable places for a read-only root filesystem: caches of HF, Triton and Python go to /tmp.
+RUNTIME_ENV = [
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "HF_HOME", "value": "/tmp/hf-home"},
+    {"name": "HF_HUB_OFFLINE", "value": "1"},  # the weights are local; serving never calls the hub
+    {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+]
+
+
+def server_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, Any]]:
+    """Ours first, then spec.env; a spec.env entry with the same name replaces ours in place."""
+    user = {item["name"]: item for item in spec.get("env", [])}
+    ours = [user.pop(item["name"], item) for item in [*engine_env(spec, source), *RUNTIME_ENV]]
+    return [*ours, *user.values()]
+
+
+def server_resources(spec: dict[str, Any]) -> dict[str, Any]:
+    res = spec["resources"]
+    requests: dict[str, Any] = {"cpu": res["cpu"], "memory": res["memory"]}
+    limits: dict[str, Any] = {"memory": res["memory"]}
+    if res["gpus"] > 0:
+        requests[res["gpuResourceName"]] = limits[res["gpuResourceName"]] = str(res["gpus"])
+    return {"requests": requests, "limits": limits}
+
+
+def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> dict[str, Any]:
+    http = {"path": "/health", "port": "http"}
+    startup_periods = math.ceil(spec["startupTimeoutSeconds"] / 10)
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    if source.claim:
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": SERVER_CONTAINER, "image": image,
+        "command": ["pagoda", "serve"],
+        "args": ["--host", "0.0.0.0", "--port", str(SERVER_PORT), *spec["engine"].get("extraArgs", [])],
+        "env": server_env(spec, source),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "startupProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5,
+                         "failureThreshold": startup_periods},
+        "livenessProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3, "failureThreshold": 3},
+        "resources": server_resources(spec),
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
+    source = parse_model_uri(spec["model"]["uri"], owner.name)
+    resources = spec["resources"]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": resources["shmSize"]}},
+    ]
+    if source.claim:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": source.claim}})
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec["drainTimeoutSeconds"] + 10,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [server_container(spec, source, image)],
+        "volumes": volumes,
+    }
+    if source.downloads:
+        pod["initContainers"] = [download_container(spec, source, image)]
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        if resources.get(key):
+            pod[key] = resources[key]
+    if spec.get("imagePullSecrets"):
+        pod["imagePullSecrets"] = spec["imagePullSecrets"]
+    return {"metadata": {"labels": common_labels(owner)}, "spec": pod}
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def deployment(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
+    template = pod_template(owner, spec, image)
+    # The hash covers only the pod template: replicas and autoscaling live outside it, so scaling
+    # never restarts pods, while any change that reaches the pods shows here and rolls them.
+    template["metadata"]["annotations"] = {TEMPLATE_HASH_ANNOTATION: template_hash(template)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, owner.name),
+        "spec": {
+            "replicas": spec["replicas"],
+            "selector": {"matchLabels": selector_labels(owner)},
+            # One extra pod at a time, never one fewer serving: a rollout needs one spare GPU slot.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
+            "revisionHistoryLimit": 3,
+            "template": template,
+        },
+    }
+
+
+# --- Service, ServiceMonitor, PDB --------------------------------------------------------------------
+
+
+def service(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, owner.name),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(owner),
+                     "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def service_monitor(owner: Owner, spec: dict[str, Any]) -> dict[str, Any]:
+    monitoring = spec["monitoring"]
+    labels = {**common_labels(owner), **monitoring.get("labels", {})}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _metadata(owner, owner.name, labels),
+            "spec": {"selector": {"matchLabels": selector_labels(owner)},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": monitoring["interval"]}]}}
+
+
+def pod_disruption_budget(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(owner, owner.name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}}}
+
+
+# --- everything --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    api_version: str
+    kind: str
+    plural: str
+
+
+PVC = ChildKind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+DEPLOYMENT = ChildKind("apps/v1", "Deployment", "deployments")
+SERVICE = ChildKind("v1", "Service", "services")
+SERVICE_MONITOR = ChildKind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+KINDS = {k.kind: k for k in (PVC, DEPLOYMENT, SERVICE, SERVICE_MONITOR, PDB)}
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What should exist (`objects`) and what must not (`absent`: kind, name) for one InferenceService."""
+
+    objects: list[dict[str, Any]]
+    absent: list[tuple[ChildKind, str]]
+
+
+def service_monitor_wanted(spec: dict[str, Any]) -> bool:
+    return bool(spec["monitoring"]["serviceMonitor"])
+
+
+def render(owner: Owner, raw_spec: dict[str, Any], *, default_image: str,
+           service_monitors_served: bool) -> Desired:
+    """All children for `raw_spec` (defaulted here with the CRD's own defaults)."""
+    spec = crd.with_defaults(raw_spec)
+    image = spec.get("image") or default_image
+    source = parse_model_uri(spec["model"]["uri"], owner.name)
+    objects: list[dict[str, Any]] = []
+    absent: list[tuple[ChildKind, str]] = []
+    if source.downloads:
+        objects.append(weights_pvc(owner, spec))
+    objects += [deployment(owner, spec, image), service(owner)]
+    if service_monitor_wanted(spec) and service_monitors_served:
+        objects.append(service_monitor(owner, spec))
+    elif service_monitors_served:
+        absent.append((SERVICE_MONITOR, owner.name))
+    if spec["replicas"] > 1:
+        objects.append(pod_disruption_budget(owner))
+    else:
+        absent.append((PDB, owner.name))
+    return Desired(objects, absent)

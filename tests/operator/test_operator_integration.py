@@ -1,0 +1,163 @@
+"""The real kopf operator against the Kube emulator over HTTP: children, updates, status, restarts."""
+
+from __future__ import annotations
+
+import kmock
+import pytest
+from operator_harness import (
+    CR,
+    CR_URL,
+    DEP,
+    NS,
+    PDB,
+    PODS_URL,
+    PVC,
+    SM,
+    SVC,
+    condition,
+    create,
+    events,
+    eventually,
+    isvc,
+    live,
+    patch,
+    prepare_cluster,
+    running_operator,
+    server_pod,
+    set_deployment_status,
+)
+from pagoda.operator import render
+from support.kube_emulator import KubeEmulator
+
+DEP_RESOURCE = kmock.resource(DEP)
+pytestmark = [pytest.mark.kmock(cls=KubeEmulator), pytest.mark.timeout(120)]
+
+
+def env_of(deployment: dict) -> dict[str, str]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def template_hash(deployment: dict) -> str:
+    return deployment["spec"]["template"]["metadata"]["annotations"][render.TEMPLATE_HASH_ANNOTATION]
+
+
+@pytest.fixture
+def k8s(kmock, tmp_path, monkeypatch):
+    prepare_cluster(kmock, tmp_path, monkeypatch)
+    return kmock
+
+
+async def test_create_makes_owned_children(k8s):
+    async with running_operator(k8s):
+        cr = await create(k8s, isvc(replicas=2, model={"uri": "hf://org/model@v1",
+                                                      "hfTokenSecretRef": {"name": "hf-secret"}}))
+        uid = cr["metadata"]["uid"]
+        for resource in (DEP, SVC, PVC, PDB, SM):
+            obj = await eventually(lambda r=resource: live(k8s, r, "llm" if r != PVC else "llm-weights"),
+                                   what=f"{resource} created")
+            owner = obj["metadata"]["ownerReferences"][0]
+            assert (owner["uid"], owner["kind"], owner["controller"]) == (uid, "InferenceService", True)
+        dep = live(k8s, DEP, "llm")
+        assert dep["spec"]["replicas"] == 2
+        assert env_of(dep)["PAGODA_MODEL"] == "/models/hf/org/model/v1"
+        assert dep["spec"]["template"]["spec"]["initContainers"][0]["name"] == "model-download"
+        assert live(k8s, SVC, "llm")["spec"]["ports"][0] == {"name": "http", "port": 8000, "targetPort": "http",
+                                                             "protocol": "TCP"}
+        await eventually(lambda: condition(k8s, "llm", "ServiceMonitor")["reason"] == "Created")
+        status = live(k8s, CR, "llm")["status"]
+        assert status["selector"] == render.selector_string(render.Owner("llm", NS, uid))
+        assert status["observedGeneration"] == 1 and status["ready"] == "0/2"
+        assert "endpoint" not in status  # nothing serves yet
+        # the token's Secret is referenced by the pod only: not in status, not in events
+        assert "hf-secret" not in str(status) and "hf-secret" not in str(events(k8s))
+        # deleting the InferenceService garbage-collects every child
+        await k8s.delete(f"{CR_URL}/llm")
+        await eventually(lambda: all(k8s.objects[r, NS, n].deleted for r, n in
+                                     ((DEP, "llm"), (SVC, "llm"), (PVC, "llm-weights"), (PDB, "llm"), (SM, "llm"))))
+
+
+async def test_spec_changes_roll_autoscaling_and_scale_do_not(k8s):
+    async with running_operator(k8s):
+        await create(k8s, isvc(replicas=2))
+        first = await eventually(lambda: live(k8s, DEP, "llm"))
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"engine": {"blockSize": 32}}})
+        rolled = await eventually(lambda: (d := live(k8s, DEP, "llm")) and env_of(d)["PAGODA_BLOCK_SIZE"] == "32"
+                                  and d, what="block size applied")
+        assert template_hash(rolled) != template_hash(first)
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"autoscaling": {"targetKVCacheUsage": 0.5}}})
+        await eventually(lambda: live(k8s, CR, "llm")["status"]["observedGeneration"] == 3)
+        assert template_hash(live(k8s, DEP, "llm")) == template_hash(rolled)
+        # kubectl scale / HPA / the autoscaler: through the scale subresource of the InferenceService
+        await patch(k8s, f"{CR_URL}/llm/scale", {"spec": {"replicas": 1}})
+        await eventually(lambda: live(k8s, DEP, "llm")["spec"]["replicas"] == 1, what="scaled")
+        assert template_hash(live(k8s, DEP, "llm")) == template_hash(rolled)
+        await eventually(lambda: k8s.objects[PDB, NS, "llm"].deleted, what="PDB removed at 1 replica")
+
+
+async def test_ready_pods_make_it_ready_with_endpoint(k8s):
+    async with running_operator(k8s):
+        await create(k8s, isvc(model={"uri": "file:///weights/model"}))
+        dep = await eventually(lambda: live(k8s, DEP, "llm"))
+        loading = server_pod(dep, "llm-a", {"ready": False, "started": False, "state": {"running": {}}})
+        await k8s.post(PODS_URL, json=loading)
+        await eventually(lambda: condition(k8s, "llm", "Progressing")["reason"] == "ModelLoading")
+        await patch(k8s, f"{PODS_URL}/llm-a/status", {"status": {"containerStatuses": [
+            {"name": "server", "ready": True, "started": True, "restartCount": 0, "state": {"running": {}}}]}})
+        await set_deployment_status(k8s, "llm", replicas=1, readyReplicas=1, updatedReplicas=1,
+                                    availableReplicas=1)
+        ready = await eventually(lambda: condition(k8s, "llm", "Ready")["status"] == "True"
+                                 and condition(k8s, "llm", "Ready"), what="Ready")
+        assert ready["reason"] == "AllReplicasReady"
+        status = live(k8s, CR, "llm")["status"]
+        assert status["endpoint"] == f"http://llm.{NS}.svc:8000/v1" and status["ready"] == "1/1"
+        assert condition(k8s, "llm", "Degraded")["status"] == "False"
+        assert any(e["reason"] == "Ready" and e["type"] == "Normal" for e in events(k8s))
+
+
+async def test_crash_looping_pod_degrades_with_reason(k8s):
+    async with running_operator(k8s):
+        await create(k8s, isvc(model={"uri": "pvc://models/llama"}))
+        dep = await eventually(lambda: live(k8s, DEP, "llm"))
+        crashing = server_pod(dep, "llm-b", {
+            "ready": False, "restartCount": 4,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+            "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}})
+        await k8s.post(PODS_URL, json=crashing)
+        degraded = await eventually(lambda: condition(k8s, "llm", "Degraded")["status"] == "True"
+                                    and condition(k8s, "llm", "Degraded"), what="Degraded")
+        assert degraded["reason"] == "CrashLoopBackOff" and "OOMKilled" in degraded["message"]
+        assert condition(k8s, "llm", "Ready")["reason"] == "CrashLoopBackOff"
+        await eventually(lambda: any(e["reason"] == "CrashLoopBackOff" and e["type"] == "Warning"
+                                     for e in events(k8s)), what="warning event")
+
+
+async def test_restart_writes_nothing_new(k8s):
+    async with running_operator(k8s):
+        await create(k8s, isvc(replicas=2))
+        await eventually(lambda: condition(k8s, "llm", "ServiceMonitor"))
+        await eventually(lambda: live(k8s, PDB, "llm"))
+    children = [(DEP, "llm"), (SVC, "llm"), (PVC, "llm-weights"), (PDB, "llm"), (SM, "llm"), (CR, "llm")]
+    versions = {key: len(k8s.objects[key[0], NS, key[1]].history) for key in children}
+    objects = len([o for o in k8s.objects.values() if not o.deleted])
+    requests_before = len(list(k8s))
+    async with running_operator(k8s):
+        # the resume handler re-applies everything: wait until it has, and a few status refreshes
+        await eventually(lambda: sum(1 for r in list(k8s)[requests_before:]
+                                     if r.method == "PATCH" and r.resource == DEP_RESOURCE) >= 1,
+                         what="resume re-applied the Deployment")
+        await eventually(lambda: sum(1 for r in list(k8s)[requests_before:]
+                                     if r.method == "GET" and r.resource is not None
+                                     and r.resource.plural == "pods") >= 3, what="status refreshes")
+    assert {key: len(k8s.objects[key[0], NS, key[1]].history) for key in children} == versions
+    assert len([o for o in k8s.objects.values() if not o.deleted]) == objects
+
+
+async def test_missing_servicemonitor_crd_is_reported(kmock, tmp_path, monkeypatch):
+    prepare_cluster(kmock, tmp_path, monkeypatch, service_monitors=False)
+    async with running_operator(kmock):
+        await create(kmock, isvc())
+        cond = await eventually(lambda: condition(kmock, "llm", "ServiceMonitor"))
+        assert (cond["status"], cond["reason"]) == ("False", "CRDNotFound")
+        assert live(kmock, DEP, "llm")
+        await eventually(lambda: any(e["reason"] == "ServiceMonitorSkipped" for e in events(kmock)))
