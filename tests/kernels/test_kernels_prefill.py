@@ -1,0 +1,114 @@
+import pytest
+import torch
+from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+from pagoda.kernels.triton_backend import TritonBackend
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Small tiles so short test sequences still span several query and key tiles.
+SMALL_TILES = TritonBackend(prefill_block_m=16, prefill_block_n=32)
+
+
+def _check_prefill(
+    backend,
+    reference,
+    generator,
+    seqs,
+    *,
+    group,
+    block_size,
+    dtype,
+    head_dim=32,
+    num_kv_heads=2,
+    sliding_window=None,
+    shared_blocks=0,
+):
+    """``seqs``: (context_len, q_len) pairs; the q_len new tokens are the last of the context."""
+    context_lens = [context for context, _ in seqs]
+    cache = make_paged_kv(
+        context_lens,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        shared_blocks=shared_blocks,
+        generator=generator,
+    )
+    q_lens = torch.tensor([q_len for _, q_len in seqs])
+    cu_seqlens_q = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    query = random_queries(int(q_lens.sum()), num_kv_heads * group, head_dim, dtype, generator=generator)
+    args = (
+        query,
+        cache.k_cache,
+        cache.v_cache,
+        cu_seqlens_q,
+        cache.context_lens,
+        cache.block_tables,
+        head_dim**-0.5,
+        sliding_window,
+    )
+    out = backend.paged_prefill_attention(*args)
+    expected = reference.paged_prefill_attention(*args)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert not expected.isnan().any()
+    assert relative_error(out, expected) <= tolerance(dtype)
+
+
+# Whole prompts (one ending mid-block), a one-token chunk after a long prefix, a chunk after a
+# prefix-cache hit, of very different lengths in one batch.
+MIXED = [(9, 9), (50, 1), (100, 37), (23, 23)]
+
+
+# A Latin square over (block size, GQA group) x dtype: every pair of the three appears, at a third
+# of the full product's cost under the interpreter.
+LATIN = [
+    (block_size, group, DTYPES[(i + j) % 3])
+    for i, block_size in enumerate([8, 16, 32])
+    for j, group in enumerate([1, 4, 8])
+]
+
+
+@pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN)
+def test_prefill_matches_reference(group, block_size, dtype, reference, generator):
+    _check_prefill(SMALL_TILES, reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_sliding_window(dtype, reference, generator):
+    _check_prefill(
+        SMALL_TILES,
+        reference,
+        generator,
+        [*MIXED, (70, 70)],
+        group=4,
+        block_size=8,
+        dtype=dtype,
+        sliding_window=20,
+    )
+
+
+def test_prefill_shared_prefix_blocks(reference, generator):
+    # Two sequences whose first 3 blocks are the same physical blocks; each prefills only its tail.
+    _check_prefill(
+        SMALL_TILES,
+        reference,
+        generator,
+        [(40, 40), (61, 37), (30, 6)],
+        group=4,
+        block_size=8,
+        dtype=torch.float16,
+        shared_blocks=3,
+    )
+
+
+def test_prefill_default_tiles_and_odd_head_dim(reference, generator):
+    _check_prefill(
+        TritonBackend(),
+        reference,
+        generator,
+        [(130, 130), (200, 70)],
+        group=8,
+        block_size=16,
+        dtype=torch.bfloat16,
+        head_dim=80,
+        num_kv_heads=1,
+    )
