@@ -173,9 +173,11 @@ def download_container(spec: dict[str, Any], source: ModelSource, image: str) ->
 
 
 def engine_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, str]]:
-    """`pagoda serve` engine flags as PAGODA_* variables (booleans as "true"/"false")."""
+    """`pagoda serve` flags as PAGODA_* variables (booleans as "true"/"false"): the only way we configure it."""
     engine = spec["engine"]
     values: dict[str, Any] = {
+        "PAGODA_HOST": "0.0.0.0",  # the kubelet's probes and the Service reach the pod IP
+        "PAGODA_PORT": SERVER_PORT,
         "PAGODA_MODEL": source.model_path,
         "PAGODA_SERVED_MODEL_NAME": served_name(spec),
         "PAGODA_DTYPE": engine["dtype"],
@@ -223,8 +225,11 @@ def server_resources(spec: dict[str, Any]) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+def _health() -> dict[str, Any]:
+    return {"path": "/health", "port": "http"}
+
+
 def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> dict[str, Any]:
-    http = {"path": "/health", "port": "http"}
     startup_periods = math.ceil(spec["startupTimeoutSeconds"] / 10)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     if source.claim:
@@ -232,18 +237,19 @@ def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> d
     container: dict[str, Any] = {
         "name": SERVER_CONTAINER, "image": image,
         "command": ["pagoda", "serve"],
-        "args": ["--host", "0.0.0.0", "--port", str(SERVER_PORT), *spec["engine"].get("extraArgs", [])],
         "env": server_env(spec, source),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
-        "startupProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5,
+        "startupProbe": {"httpGet": _health(), "periodSeconds": 10, "timeoutSeconds": 5,
                          "failureThreshold": startup_periods},
-        "livenessProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": _health(), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
                            "timeoutSeconds": 3, "failureThreshold": 3},
         "resources": server_resources(spec),
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
+    if spec["engine"].get("extraArgs"):
+        container["args"] = list(spec["engine"]["extraArgs"])
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     return container
