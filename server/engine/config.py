@@ -75,7 +75,12 @@ class EngineArgs:
 
         add("model", help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
         add("tokenizer", help="tokenizer folder (default: the model's)")
-        add("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights/KV dtype")
+        add(
+            "dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="weights/KV dtype",
+        )
         add("device", default="auto", help="auto, cpu, cuda, cuda:N")
         add("block-size", type=int, default=16, help="tokens per KV block")
         add("max-num-seqs", type=int, default=256, help="max sequences in the running batch")

@@ -1,0 +1,184 @@
+"""asyncio front of the engine: a dedicated step-loop thread, one asyncio queue per request.
+
+Model steps never run on the event loop. Requests are validated on the caller's side (errors raise
+at the first `__anext__`), handed to the step thread through a locked inbox, and their cumulative
+snapshots come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
+request, which frees its blocks at the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.llm_engine import LLMEngine
+from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.engine.sampling_params import SamplingParams
+from pagoda.server.engine.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class _Stream:
+    """Where the step thread delivers one request's snapshots (on the request's event loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine_args: EngineArgs | None = None, loaded=None) -> None:
+        """Loads the model (blocking): construct it in an executor or before the loop starts."""
+        self._engine_args = engine_args or EngineArgs()
+        self.engine = LLMEngine(self._engine_args, loaded=loaded)
+        self._lock = threading.Lock()  # guards the inbox, aborts, streams and the stats snapshot
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stats = self.engine.stats()
+        self._stats.loop_alive = False
+        self._step_counts: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # ---- properties -------------------------------------------------------------------------------
+    @property
+    def engine_args(self) -> EngineArgs:
+        return self._engine_args
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative snapshots as tokens arrive; the last one has finished=True."""
+        request = self.engine.make_request(request_id, prompt, params)  # ValueError before scheduling
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if self._error is not None or self._stopping:
+                raise EngineDeadError("the engine loop is not running") from self._error
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already running")
+            self._streams[request_id] = stream
+            self._inbox.append(request)
+            self._wake.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not isinstance(item, BaseException):
+                    item = stream.queue.get_nowait()  # coalesce: snapshots are cumulative
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine loop failed") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._request_abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._request_abort(request_id)
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            snapshot = self._stats
+            counts, self._step_counts = self._step_counts, []
+        return EngineStats(**{**vars(snapshot), "step_token_counts": counts})
+
+    # ---- the step-loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._lock:
+                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
+                        self._refresh_stats(alive=True)
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                    # A request whose consumer already left is never enqueued.
+                    inbox = [r for r in inbox if r.request_id in self._streams]
+                for request_id in aborts:  # before the inbox: a new request may reuse the id
+                    engine.abort_request(request_id)
+                for request in inbox:
+                    engine.enqueue(request)
+                outputs = engine.step() if engine.has_unfinished() else []
+                with self._lock:
+                    for output in outputs:
+                        stream = self._streams.get(output.request_id)
+                        if stream is not None:
+                            stream.put(output)
+                            if output.finished:
+                                del self._streams[output.request_id]
+                    self._refresh_stats(alive=True)
+        except BaseException as exc:  # the loop is dead: fail every waiting consumer
+            logger.exception("engine loop failed")
+            with self._lock:
+                self._error = exc
+                for stream in self._streams.values():
+                    stream.put(exc)
+                self._streams.clear()
+        finally:
+            with self._lock:
+                self._refresh_stats(alive=False)
+
+    def _refresh_stats(self, alive: bool) -> None:
+        """Called with the lock held, from the step thread only."""
+        stats = self.engine.stats()
+        self._step_counts.extend(stats.step_token_counts)
+        stats.loop_alive = alive and self._error is None
+        self._stats = stats

@@ -1,0 +1,79 @@
+"""Incremental detokenization with stop-string detection.
+
+New text is the difference between decoding a short window of tokens with and without the newest
+ones (so byte-level and sentencepiece tokenizers get their spaces right). A decode that ends in
+U+FFFD is an incomplete multi-byte character: it is held back until a later token completes it.
+Stop strings are searched only in the tail that could contain a new match (so they are found across
+token boundaries), and while unfinished the last len(longest stop) - 1 characters stay hidden so a
+snapshot never shows text that a stop string will later remove.
+"""
+
+from __future__ import annotations
+
+import copy
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output token
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        stop_strings: list[str],
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.include_stop = include_stop_str_in_output
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.text = ""
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def copy(self) -> IncrementalDetokenizer:
+        clone = copy.copy(self)
+        clone._ids = list(self._ids)
+        return clone
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def append(self, token_id: int) -> str | None:
+        """Add one output token; returns the stop string it completed, if any."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> None:
+        """The sequence ends here: emit a held-back incomplete character as it is."""
+        self._advance(final=True)
+
+    def _advance(self, final: bool) -> str | None:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not final):
+            return None
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> str | None:
+        found: tuple[int, str] | None = None  # the earliest match wins
+        for stop in self.stop_strings:
+            start = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if start != -1 and (found is None or start < found[0]):
+                found = (start, stop)
+        if found is None:
+            return None
+        start, stop = found
+        self.text = self.text[: start + len(stop)] if self.include_stop else self.text[:start]
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or self.holdback == 0:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,329 @@
+"""The synchronous engine: requests in, one `step()` at a time, cumulative snapshots out.
+
+A step = schedule → copy-on-write block copies → model forward → sample → detokenize / stop checks
+→ finished sequences free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from pagoda.server.engine.beam_search import BeamSearch
+from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.detokenizer import IncrementalDetokenizer
+from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
+from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.engine.plan_cli import capacity_report
+from pagoda.server.engine.sampler import Sampler
+from pagoda.server.engine.sampling_params import SamplingParams
+from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
+from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, engine_args: EngineArgs, loaded=None) -> None:
+        """`loaded`: an already loaded `LoadedModel` (tests share one across engines)."""
+        from pagoda.server.engine.loader import load_model
+
+        self.engine_args = args = engine_args
+        device = resolve_device(args.device)
+        if loaded is None:
+            loaded = load_model(args.model, dtype=args.dtype, device=device)
+        self.loaded = loaded
+        self.model_name: str = loaded.name
+        self.tokenizer = loaded.tokenizer
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.max_model_len = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.dtype = loaded.dtype
+        if args.max_num_batched_tokens is not None:
+            batch_tokens = args.max_num_batched_tokens
+        elif args.enable_chunked_prefill:
+            batch_tokens = DEFAULT_CHUNKED_BATCH_TOKENS
+        else:
+            batch_tokens = max(DEFAULT_CHUNKED_BATCH_TOKENS, self.max_model_len)
+        self.max_num_batched_tokens = batch_tokens
+        model = loaded.model
+        self.spec = KVCacheSpec(
+            model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
+        )
+        self.runner = ModelRunner(model, self.spec, loaded.device)
+        num_blocks = args.num_blocks or self.runner.num_blocks_for_budget(
+            args.kv_cache_memory, args.gpu_memory_utilization, batch_tokens
+        )
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory: the KV cache budget holds no block; give it more memory")
+        self.runner.allocate(num_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, args.max_num_seqs, batch_tokens, args.enable_chunked_prefill
+        )
+        self.sampler = Sampler(args.seed)
+        self.beam_search = BeamSearch(self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self._step_token_counts: list[int] = []
+        self.last_step_time: float | None = None
+        for line in capacity_report(
+            self.spec.bytes_per_token, args.block_size, num_blocks, self.max_model_len
+        ):
+            logger.info(line)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenize (no engine state is touched: safe from any thread).
+        Raises ValueError("<param>: <what is wrong>")."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
+                f"{self.max_model_len}"
+            )
+        if not self.engine_args.enable_chunked_prefill and len(prompt_ids) > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens exceed max_num_batched_tokens {self.max_num_batched_tokens} "
+                "(enable chunked prefill or raise the limit)"
+            )
+        max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
+        max_total = min(max_total, self.max_model_len)
+        self._check_fits(len(prompt_ids), max_total, params)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop_strings, params.include_stop_str_in_output
+        )
+        seq = Sequence(0, list(prompt_ids), len(prompt_ids), detok)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        return Request(
+            request_id, prompt_text, list(prompt_ids), params, arrival_time or time.monotonic(), seq
+        )
+
+    def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
+        """A request that can never fit in the pool, even alone, is refused up front."""
+        size, pool = self.block_manager.block_size, self.block_manager.num_blocks
+        width = params.beam_width if params.use_beam_search else params.n
+        tail = max_total - prompt_len
+        needed = -(-prompt_len // size) + (width if width > 1 else 0) * (-(-tail // size) + 1)
+        if width == 1:
+            needed = -(-max_total // size)
+        if needed > pool:
+            raise ValueError(
+                f"prompt: this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
+                f"{tail} output tokens, {width} sequence(s)) but the pool has {pool}; lower max_tokens "
+                "or give the KV cache more memory"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        return self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+
+    def enqueue(self, request: Request) -> Request:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.live_seqs():
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        self.scheduler.finish_request(request)
+        request.metrics.finished_time = time.monotonic()
+        return request.to_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
+        logits, sampled = self.runner.execute(out)
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(item.seq)
+        touched = self._process(logits, sampled)
+        outputs = []
+        now = time.monotonic()
+        for request in touched:
+            if request.finished:
+                request.metrics.finished_time = now
+                self.scheduler.finish_request(request)
+                self.requests.pop(request.request_id, None)
+            outputs.append(request.to_output())
+        self.scheduler.drop_finished()
+        self.num_steps += 1
+        self._step_token_counts.append(out.num_tokens)
+        self.last_step_time = now
+        return outputs
+
+    def _process(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
+        """Sample a token for every sequence that completed its pending tokens this step."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        requests: list[Request] = []
+        beam_items: list[tuple[Request, list[Sequence], list[int]]] = []
+        touched: dict[str, Request] = {}
+        for row, item in enumerate(sampled):
+            request = item.request
+            touched[request.request_id] = request
+            if request.params.use_beam_search:
+                if beam_items and beam_items[-1][0] is request:
+                    beam_items[-1][1].append(item.seq)
+                    beam_items[-1][2].append(row)
+                else:
+                    beam_items.append((request, [item.seq], [row]))
+                continue
+            if not request.forked:
+                self._fork(request)
+                family = request.seqs
+            else:
+                family = [item.seq]
+            for seq in family:
+                rows.append(row)
+                seqs.append(seq)
+                requests.append(request)
+        if rows:
+            params = [r.params for r in requests]
+            token_lists = [
+                (s.token_ids[: s.prompt_len], s.output_token_ids) if p.needs_penalties else ([], [])
+                for s, p in zip(seqs, params, strict=True)
+            ]
+            result = self.sampler(logits[rows], params, [s.generator for s in seqs], token_lists)
+            for i, (seq, request) in enumerate(zip(seqs, requests, strict=True)):
+                self._append_token(
+                    request, seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
+                )
+        for request, beam_seqs, beam_rows in beam_items:
+            self._beam_step(request, beam_seqs, logits[beam_rows])
+        return list(touched.values())
+
+    def _fork(self, request: Request) -> None:
+        """n > 1: after the prompt, the first sequence forks into n that share its blocks."""
+        leader = request.seqs[0]
+        for index in range(1, request.params.n):
+            child = leader.fork(index)
+            self.block_manager.fork(leader, child)
+            if request.params.seed is not None:
+                child.generator = torch.Generator().manual_seed(
+                    hash((request.params.seed, index)) & (2**62 - 1)
+                )
+            request.seqs.append(child)
+        request.forked = True
+
+    def _append_token(
+        self, request: Request, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
+    ) -> None:
+        params = request.params
+        now = time.monotonic()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self.prompt_tokens += request.seqs[0].prompt_len
+        request.metrics.last_token_time = now
+        self.generation_tokens += 1
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            seq.output_logprobs.append(top)
+        if token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop", None)
+        else:
+            stop = seq.detokenizer.append(token)
+            if stop is not None:
+                self._finish(seq, "stop", stop)
+        if not seq.finished and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            seq.detokenizer.flush()
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq)  # finished sequences leave at once
+
+    def _beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
+        now = time.monotonic()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self.prompt_tokens += request.seqs[0].prompt_len
+        request.metrics.last_token_time = now
+        self.generation_tokens += len(beams)
+        self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
+        request.forked = True
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        counts, self._step_token_counts = self._step_token_counts, []
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=bm.num_blocks,
+            num_blocks_used=bm.num_used_blocks,
+            num_shared_blocks=bm.num_shared_blocks,
+            block_size=bm.block_size,
+            capacity_tokens=bm.num_blocks * bm.block_size,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_steps=self.num_steps,
+            step_token_counts=counts,
+            last_step_time=self.last_step_time,
+            loop_alive=True,
+        )

@@ -1,0 +1,127 @@
+"""Turns one step's logits into tokens: penalties, greedy / temperature / top-k / top-p / min-p
+sampling with per-request generators, and log-probabilities.
+
+Sampling uses the exponential race (argmax of p / Exp(1) noise), so every row draws exactly one
+noise vector per step: a seeded request draws it from its own generator and gets the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagoda.server.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token (raw model distribution)
+    top_logprobs: list[dict[int, float] | None]  # chosen + top-k, for rows that asked
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    token_lists: list[tuple[list[int], list[int]]],
+) -> None:
+    """In place. Repetition penalty (transformers/vLLM semantics) over prompt + output tokens;
+    presence and frequency penalties (OpenAI semantics) over output tokens."""
+    vocab = logits.shape[-1]
+    for row, p, (prompt_ids, output_ids) in zip(rows, params, token_lists, strict=True):
+        line = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=line.device
+            )
+            values = line[seen]
+            line[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            counts = torch.bincount(torch.tensor(output_ids, device=line.device), minlength=vocab)[:vocab]
+            line -= p.frequency_penalty * counts.to(line.dtype)
+            line -= p.presence_penalty * (counts > 0).to(line.dtype)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop |= before >= top_p[:, None]  # keeps at least the first token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.default_generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] fp32
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        token_lists: list[tuple[list[int], list[int]]] | None = None,  # (prompt, output) ids per row
+    ) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        if penalty_rows:
+            assert token_lists is not None
+            logits = logits.clone()
+            apply_penalties(
+                logits,
+                penalty_rows,
+                [params[i] for i in penalty_rows],
+                [token_lists[i] for i in penalty_rows],
+            )
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            chosen[random_rows] = self._sample(
+                logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            )
+        chosen_list = chosen.tolist()
+        chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        top: list[dict[int, float] | None] = [None] * len(params)
+        max_k = max((p.logprobs or 0 for p in params), default=0)
+        top_values = top_ids = None
+        if max_k > 0:
+            top_values, top_ids = raw_logprobs.topk(max_k, dim=-1)
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            entry = {chosen_list[i]: chosen_logprobs[i]}
+            if p.logprobs > 0:
+                entry.update(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs], strict=True))
+            top[i] = entry
+        return SamplerOutput(chosen_list, chosen_logprobs, top)
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        shared = [row for row, g in enumerate(generators) if g is None]
+        if shared:  # one draw for every unseeded row
+            noise[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.default_generator)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,196 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+Every sequence is uniformly "tokens in the cache" + "tokens still to run" (a prompt, a prompt chunk,
+a recomputation after preemption, or the one token sampled last step). Each step:
+1. running requests, oldest first, get their next tokens (1 for a decode, a chunk for a prefill)
+   within the token budget; when the pool has no block for one, the newest running request is
+   preempted (blocks freed, re-queued at the front of the waiting queue, recomputed later);
+2. if nothing was preempted, waiting requests are admitted in arrival order (first-come first-served)
+   while seats, token budget and blocks last, reusing cached prefix blocks.
+The step's sequences are packed prefills first, then decodes (one token each).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this step all the sequence's tokens are in the cache: it samples a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    num_preempted: int = 0
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Keep a few blocks free at admission so running sequences are not preempted at once.
+        self.watermark_blocks = int(0.01 * block_manager.num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found cached
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seats for r in self.running)
+
+    def finish_request(self, request: Request) -> None:
+        """Free the blocks of every sequence and drop the request from the queues."""
+        for seq in request.seqs:
+            self.block_manager.free(seq)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncomputed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.enable_chunked_prefill else 0
+
+    def _preempt(self, request: Request) -> None:
+        for seq in request.live_seqs():
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        chosen: list[ScheduledSeq] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            preempted_self = False
+            for seq in request.live_seqs():
+                num_new = self._chunk(seq, budget)
+                if num_new == 0:
+                    continue
+                while not bm.can_allocate(seq, num_new):
+                    victim = self.running[-1]
+                    if victim is request and len(self.running) == 1:
+                        raise RuntimeError(
+                            f"request {request.request_id}: the KV cache pool ({bm.num_blocks} blocks) "
+                            "cannot hold this request's sequences"
+                        )
+                    self._preempt(victim)
+                    out.num_preempted += 1
+                    if victim is request:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    break
+                out.block_copies += bm.allocate_slots(seq, num_new)
+                chosen.append(ScheduledSeq(seq, request, num_new))
+                budget -= num_new
+            if preempted_self:
+                # Its blocks are gone: drop what was scheduled for it this step.
+                dropped = [s for s in chosen if s.request is request]
+                budget += sum(s.num_new_tokens for s in dropped)
+                chosen = [s for s in chosen if s.request is not request]
+                break
+            index += 1
+
+        if not out.num_preempted:
+            self._admit(chosen, budget, out)
+
+        for item in chosen:
+            (out.decodes if item.num_new_tokens == 1 else out.prefills).append(item)
+        # Copies into blocks of a request preempted later in this step are harmless: nothing reads them.
+        return out
+
+    def _admit(self, chosen: list[ScheduledSeq], budget: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        seats = self.num_running_seqs()
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if seats + request.num_seats > self.max_num_seqs:
+                break
+            admitted = False
+            for seq in request.live_seqs():
+                hits = bm.match_prefix(seq) if not seq.block_table else []
+                start = len(hits) * bm.block_size if hits else seq.num_computed_tokens
+                remaining = seq.num_tokens - start
+                num_new = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)
+                if num_new == 0:
+                    break
+                end = start + num_new
+                needed = (
+                    -(-end // bm.block_size) - max(len(hits), len(seq.block_table)) + bm.num_reviving(hits)
+                )
+                if needed + self.watermark_blocks > bm.num_free_blocks:
+                    break
+                if hits:
+                    bm.adopt_prefix(seq, hits)
+                if not request.prefix_lookup_done:
+                    request.prefix_lookup_done = True
+                    request.num_cached_tokens = len(hits) * bm.block_size
+                    self.prefix_cache_queries += seq.prompt_len
+                    self.prefix_cache_hits += request.num_cached_tokens
+                out.block_copies += bm.allocate_slots(seq, num_new)
+                seq.status = SequenceStatus.RUNNING
+                chosen.append(ScheduledSeq(seq, request, num_new))
+                budget -= num_new
+                admitted = True
+            if not admitted:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            seats += request.num_seats
+            for seq in request.live_seqs():
+                seq.status = SequenceStatus.RUNNING

@@ -1,0 +1,143 @@
+"""Sequences (one token stream with its block table) and requests (a group of sequences)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+from pagoda.server.engine.detokenizer import IncrementalDetokenizer
+from pagoda.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.server.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One token stream. Its KV lives in the blocks of `block_table`; `num_computed_tokens` of its
+    tokens are in the cache, the rest (a prompt, a prompt chunk, or the last sampled token) are
+    run by the next steps."""
+
+    def __init__(
+        self, index: int, token_ids: list[int], prompt_len: int, detokenizer: IncrementalDetokenizer
+    ):
+        self.seq_id = next(_seq_ids)
+        self.index = index  # position in the request's outputs
+        self.token_ids = token_ids
+        self.prompt_len = prompt_len
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks (content-determined)
+        self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
+        self.detokenizer = detokenizer
+        self.output_logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> Sequence:
+        """A copy with the same tokens (blocks are shared separately by the block manager)."""
+        child = Sequence(index, list(self.token_ids), self.prompt_len, self.detokenizer.copy())
+        child.status = self.status
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        return child
+
+
+class Request:
+    """A request: its prompt, parameters and the sequences generating its outputs."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        first_seq: Sequence,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.seqs: list[Sequence] = [first_seq]
+        self.forked = params.n == 1 and not params.use_beam_search  # n > 1 forks after the prompt
+        self.num_cached_tokens = 0
+        self.prefix_lookup_done = False
+        self.finished_beams: list[tuple[float, Sequence]] = []  # beam search: (score, hypothesis), best first
+        self.beam_improvable = True  # beam search: can running beams still beat the finished ones?
+        self.aborted = False
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences this request occupies in the running batch (reserved before forking)."""
+        if not self.forked:
+            return self.params.beam_width if self.params.use_beam_search else self.params.n
+        return sum(1 for s in self.seqs if not s.finished)
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        finished = self.finished
+        if self.params.use_beam_search:
+            seqs = self.seqs[: self.params.n]  # best first once finished; text comes at the end
+        else:
+            seqs = sorted(self.seqs, key=lambda s: s.index)
+        outputs = []
+        for rank, seq in enumerate(seqs):
+            want_logprobs = self.params.logprobs is not None
+            outputs.append(
+                CompletionOutput(
+                    index=rank if self.params.use_beam_search else seq.index,
+                    text=seq.detokenizer.visible_text(seq.finished),
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
