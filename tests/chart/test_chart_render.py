@@ -84,6 +84,7 @@ SERVICE_MONITOR_SCHEMA = {
                         "additionalProperties": False,
                         "properties": {
                             "port": {"type": "string"},
+                            "honorLabels": {"type": "boolean"},
                             "path": {"type": "string"},
                             "interval": {
                                 "type": "string",
