@@ -1,6 +1,6 @@
 """Paged prefill attention: variable-length causal attention for a step's new tokens.
 
-Grid ``(num_seqs, cdiv(max_q_len, BLOCK_M), num_heads)``. Sequence ``i``'s ``q_len`` new tokens are
+Grid ``(num_heads, num_seqs, cdiv(max_q_len, BLOCK_M))``. Sequence ``i``'s ``q_len`` new tokens are
 the last ``q_len`` of its ``context_lens[i]`` cached tokens, so query row ``r`` sits at absolute
 position ``context_len - q_len + r``. A program takes ``BLOCK_M`` queries of one head and walks the
 keys it may see (from the sliding-window start, or 0, up to its last query's position) in tiles of
@@ -50,9 +50,11 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    head = tl.program_id(2)
+    # Heads and sequences vary fastest and query tiles run last-first, so the longest causal tiles
+    # start first and the short ones fill in behind them.
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_tile * BLOCK_M >= q_len:
@@ -137,7 +139,7 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    _prefill_kernel[(num_seqs, triton.cdiv(max_q_len, block_m), num_heads)](
+    _prefill_kernel[(num_heads, num_seqs, triton.cdiv(max_q_len, block_m))](
         out,
         query,
         k_cache,
