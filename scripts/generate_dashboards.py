@@ -323,7 +323,7 @@ GPU_TEXT = """\
 
 **`DCGM_FI_DEV_GPU_UTIL` is not a measure of how full the GPU is.** It is the fraction of time in the
 sample window during which *at least one kernel* was running — one small kernel on one of the GPU's
-~100 streaming multiprocessors counts as "busy". A serving loop that decodes a single sequence
+100+ streaming multiprocessors counts as "busy". A serving loop that decodes a single sequence
 launches kernels back to back, so the counter reads 90%+ with a batch of one.
 
 **`pagoda_kv_cache_usage_ratio` is how much of the memory reserved for concurrent requests is in
