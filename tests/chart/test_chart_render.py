@@ -235,6 +235,20 @@ def test_operator_args_follow_the_contract(render):
     assert cluster_wide["image"] == "ghcr.io/pagoda-dev/pagoda-operator:0.1.0"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_operator_args_parse_with_the_real_cli(render, mode):
+    """The Deployment's args are accepted by `pagoda operator`'s own parser, meaning what they say."""
+    from pagoda.cli import build_parser
+
+    container = operator_container(render(*MODES[mode]))
+    assert container["args"][0] == "operator"
+    args = build_parser().parse_args(container["args"])
+    assert (args.health_port, args.metrics_port) == (8080, 8081)
+    assert args.all_namespaces == (mode != "namespaced")
+    assert args.namespace == (["a", "b"] if mode == "namespaced" else [])
+    assert (args.peering, args.standalone) == (("pagoda", False) if mode == "all-features" else (None, True))
+
+
 def test_operator_is_locked_down(render):
     objects = render()
     (deployment,) = by_kind(objects, "Deployment")
