@@ -35,7 +35,7 @@ def variables() -> list[dict[str, Any]]:
             "type": "query",
             "datasource": DATASOURCE,
             "definition": query,
-            "query": {"query": query, "refId": f"{name}-values", "qryType": 1},
+            "query": query,  # the classic string form: every Grafana version reads it
             "refresh": 2,  # on time range change: pods come and go with autoscaling
             "includeAll": True,
             "multi": True,

@@ -62,7 +62,7 @@ def queries(board: dict, name: str) -> list[Query]:
     ]
     for variable in board["templating"]["list"]:
         if variable["type"] == "query":
-            match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["query"]["query"])
+            match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["query"])
             assert match, f"{name}: variable {variable['name']}: not a label_values(selector, label) query"
             found.append(Query(f"{name} / variable {variable['name']}", match.group(1)))
     return found

@@ -47,7 +47,7 @@ def test_every_panel_and_query_uses_the_datasource_variable(name):
     assert variables["datasource"]["query"] == "prometheus"
     for label in ("namespace", "model_name", "pod"):
         assert variables[label]["type"] == "query" and variables[label]["datasource"] == DATASOURCE
-        assert f", {label})" in variables[label]["query"]["query"]
+        assert f", {label})" in variables[label]["query"]
     for panel in panels(board):
         assert panel["datasource"] == DATASOURCE, f"{name}: panel {panel['title']}"
         for target in panel.get("targets", []):
@@ -125,3 +125,14 @@ def test_dcgm_panels_explain_an_absent_exporter():
         assert "dcgm-exporter" in panel["fieldConfig"]["defaults"]["noValue"], panel["title"]
     (text,) = [p for p in panels(board) if p["type"] == "text"]
     assert "90%" in text["options"]["content"] and "KV" in text["options"]["content"]
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_panels_fit_the_grid_without_overlapping(name):
+    taken: set[tuple[int, int]] = set()
+    for panel in panels(BOARDS[name]):
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        cells = {(pos["x"] + dx, pos["y"] + dy) for dx in range(pos["w"]) for dy in range(pos["h"])}
+        assert not cells & taken, f"{name}: {panel['title']} overlaps another panel"
+        taken |= cells
