@@ -106,7 +106,14 @@ def test_serving_dashboard_has_every_panel_of_issue_7():
             )
 
 
+def crd_default_kv_target() -> float:
+    crd = yaml.safe_load((REPO / "crds" / "inferenceservices.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec["properties"]["autoscaling"]["properties"]["targetKVCacheUsage"]["default"]
+
+
 def test_kv_usage_panel_draws_the_autoscaling_target():
+    assert crd_default_kv_target() == 0.7  # the line drawn is the CRD's default target
     for name, board in BOARDS.items():
         (panel,) = [p for p in panels(board) if p["title"] == "KV-cache usage per pod"]
         defaults = panel["fieldConfig"]["defaults"]
