@@ -16,6 +16,66 @@ from pagoda.kernels.triton_common import dot, dot_precision, pow2_at_least, upca
 
 
 @triton.jit
+def _attend_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    start,
+    hi,
+    table,
+    k_base,
+    v_base,
+    d_mask,
+    scale_log2e,
+    sliding_window,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N), read through the block table."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    offset = k_pos % BLOCK_SIZE
+    if MASKED:
+        k_mask = k_pos < hi
+        # Entries past the sequence's last block may hold anything: never load through them.
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
+        kv_mask = k_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (block * stride_kb + offset * stride_kt)[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (block * stride_vb + offset * stride_vt)[:, None], mask=kv_mask, other=0.0)
+    else:
+        block = tl.load(table + k_pos // BLOCK_SIZE).to(tl.int64)
+        k = tl.load(
+            k_base + (block * stride_kb + offset * stride_kt)[:, None], mask=d_mask[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + (block * stride_vb + offset * stride_vt)[:, None], mask=d_mask[None, :], other=0.0
+        )
+    scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = k_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+    # A row may see nothing in a masked tile (causal/window edge): keep its exponents finite.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _prefill_kernel(
     out_ptr,
     q_ptr,
@@ -86,30 +146,25 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_mask = k_pos < hi
-        # Entries past the sequence's last block may hold anything: never load through them.
-        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
-        offset = k_pos % BLOCK_SIZE
-        kv_mask = k_mask[:, None] & d_mask[None, :]
-        k_rows = block * stride_kb + offset * stride_kt + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2e  # [BLOCK_M, BLOCK_N]
-        visible = k_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        scores = tl.where(visible, scores, float("-inf"))
-        # A row may see nothing in this tile (causal/window edge): keep its exponents finite.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        v_rows = block * stride_vb + offset * stride_vt + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    k_base = k_cache_ptr + kv_head * stride_kh + d[None, :] * stride_kd
+    v_base = v_cache_ptr + kv_head * stride_vh + d[None, :] * stride_vd
+    # Key tiles wholly at or before the tile's first query are visible to every row: no masks there.
+    # Only the tiles on the diagonal (and all of them under a sliding window) need the causal mask.
+    mid = lo
+    if not USE_WINDOW:
+        mid = ((first_pos + q_tile * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, table, k_base, v_base, d_mask, scale_log2e, sliding_window,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            False, USE_WINDOW, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start, hi, table, k_base, v_base, d_mask, scale_log2e, sliding_window,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            True, USE_WINDOW, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
