@@ -76,5 +76,3 @@ def smollm2() -> ModelPair:
         path = default_gguf_path()
         _cache["smollm2"] = _pair(path, gguf_file=path.name)
     return _cache["smollm2"]
-
-

@@ -1,0 +1,72 @@
+"""AsyncLLMEngine: streaming snapshots from the step thread, abort on consumer exit, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+from pagoda.server.engine.async_engine import AsyncLLMEngine
+from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture
+async def engine(llama):
+    engine = AsyncLLMEngine(EngineArgs(device="cpu", kv_cache_memory=16 << 20), loaded=llama.loaded)
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    return [o async for o in engine.generate(prompt, params, request_id)]
+
+
+async def test_concurrent_streams_are_cumulative_and_match_offline(engine, llama):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(10, 30)), [5, 6, 7]]
+    streams = await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
+    expected = llama.llm().generate(prompts, params)
+    for snapshots, offline in zip(streams, expected, strict=True):
+        assert snapshots[-1].finished and not any(s.finished for s in snapshots[:-1])
+        tokens = [s.outputs[0].token_ids for s in snapshots]
+        assert all(b[: len(a)] == a for a, b in itertools.pairwise(tokens))  # cumulative
+        assert tokens[-1] == offline.outputs[0].token_ids
+        assert snapshots[-1].outputs[0].text == offline.outputs[0].text
+    stats = engine.stats()
+    assert stats.loop_alive and stats.generation_tokens == 24 and stats.num_running == 0
+    assert sum(stats.step_token_counts) == 20 + 3 + 2 * 11
+    assert engine.stats().step_token_counts == []  # counts are handed out once
+
+
+async def test_consumer_leaving_aborts_and_frees_blocks(engine):
+    stream = engine.generate(list(range(10, 40)), SamplingParams(max_tokens=400, ignore_eos=True), "long")
+    first = await stream.__anext__()
+    assert not first.finished
+    await stream.aclose()
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_blocks_used == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.num_running == 0 and stats.num_blocks_used == 0
+    assert engine.engine.requests == {}
+
+
+async def test_explicit_abort(engine):
+    async def consume():
+        return [
+            o async for o in engine.generate([9, 9, 9], SamplingParams(max_tokens=400, ignore_eos=True), "x")
+        ]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if engine.stats().num_blocks_used == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_blocks_used == 0

@@ -1,0 +1,38 @@
+"""Incremental detokenization never splits a multi-byte character."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagoda.server.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = " Café, naïve, 東京 and 🙂 in München — ok"
+
+
+def test_incremental_text_equals_full_decode_and_never_shows_replacement_chars(llama):
+    tok = llama.tokenizer
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    # Byte-level BPE: the emoji and CJK characters span several tokens here.
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello"), stop_strings=[])
+    seen = []
+    for token in ids:
+        detok.append(token)
+        assert "\ufffd" not in detok.text
+        seen.append(detok.text)
+    assert detok.text == tok.decode(ids)
+    assert all(b.startswith(a) for a, b in itertools.pairwise(seen))  # only ever grows
+
+
+def test_stop_string_is_held_back_while_it_could_still_match(llama):
+    tok = llama.tokenizer
+    ids = tok.encode(" The quick brown fox", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop_strings=["brown fox"])
+    stopped = None
+    for token in ids:
+        stopped = detok.append(token)
+        visible = detok.visible_text(finished=stopped is not None)
+        assert "brown" not in visible or stopped
+        if stopped:
+            break
+    assert stopped == "brown fox" and detok.text == " The quick "
