@@ -121,4 +121,4 @@ async def refresh_status(body: kopf.Body, stopped: kopf.DaemonStopped, logger: k
 
 
 # --- autoscaler: operator/autoscaling/ (the autoscaler helper) registers its handlers on import ------
-# (the import line goes right here)
+import pagoda.operator.autoscaling.handlers  # noqa: E402, F401

@@ -20,7 +20,8 @@ from typing import Any
 
 import aiohttp
 import kopf
-from pagoda.operator.autoscaling import kube, report, telemetry
+from pagoda.operator import crd, metrics
+from pagoda.operator.autoscaling import kube, report
 from pagoda.operator.autoscaling.config import Collection, collection_from_spec, policy_from_spec
 from pagoda.operator.autoscaling.decision import PodObservation, Recommendation, decide
 from pagoda.operator.autoscaling.metrics import PodSample, query_prometheus, scrape_pods
@@ -96,14 +97,14 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
             message = f"{current} → {decision.desired_replicas}: {decision.reason}"
             logger.info(f"autoscaler: {message}")
             kopf.info(body, reason="Scaled" + decision.direction.capitalize(), message=message[:1000])
-        telemetry.record(namespace, name, decision)
+            metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
         status_patch["autoscaling"] = report.autoscaling_status(
             decision, samples, not_ready, status.get("autoscaling"), scaled_at)
     if status_patch:
         await kube.patch_status(namespace, name, status_patch, logger)
 
 
-@kopf.daemon(kube.GROUP, kube.VERSION, kube.PLURAL, cancellation_timeout=10.0)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_timeout=10.0)
 async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spec: Mapping[str, Any],
                      status: Mapping[str, Any], memo: MutableMapping[str, Any], body: Any, logger: Any,
                      **_: Any) -> None:
@@ -114,5 +115,6 @@ async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spe
             logger.debug("autoscaler: the InferenceService is gone")
         except (kube.APIError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # A missed round is harmless: the next one starts from fresh observations.
+            metrics.ERRORS.labels("autoscale").inc()
             logger.warning(f"autoscaler: round skipped: {exc!r}")
         await stopped.wait(collection_from_spec(spec.get("autoscaling")).interval_s)

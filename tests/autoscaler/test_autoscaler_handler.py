@@ -18,15 +18,16 @@ from typing import Any
 import kmock
 import kopf
 import pytest
-from pagoda.operator.autoscaling import handlers, kube
+from pagoda.operator import crd
+from pagoda.operator.autoscaling import handlers
 from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
 from support.autoscaler_kube import ConflictingKubeEmulator
 from support.autoscaler_pods import FakePod, FakePodFarm, metrics_text
 from support.kube_emulator import KubeEmulator, declare_builtin_resources
 
 NS, NAME = "ns1", "llm"
-CR = f"{kube.GROUP}/{kube.VERSION}/{kube.PLURAL}"
-CR_URL = f"/apis/{kube.GROUP}/{kube.VERSION}/namespaces/{NS}/{kube.PLURAL}"
+CR = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
+CR_URL = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/{crd.PLURAL}"
 PODS_URL = f"/api/v1/namespaces/{NS}/pods"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": 15,
@@ -58,7 +59,7 @@ def registry_for(url: str) -> kopf.OperatorRegistry:
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    kopf.daemon(kube.GROUP, kube.VERSION, kube.PLURAL, registry=registry,
+    kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry,
                 cancellation_timeout=10.0)(handlers.autoscaler)
     return registry
 
@@ -100,7 +101,7 @@ def _safe(predicate: Callable[[], bool]) -> bool:
 
 
 async def create_isvc(k8s: KubeEmulator, replicas: int, autoscaling: dict[str, Any]) -> None:
-    body = {"apiVersion": f"{kube.GROUP}/{kube.VERSION}", "kind": "InferenceService",
+    body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": "InferenceService",
             "metadata": {"name": NAME, "namespace": NS},
             "spec": {"model": {"uri": "hf://org/tiny"}, "replicas": replicas, "autoscaling": autoscaling}}
     resp = await k8s.post(CR_URL, json=body)
