@@ -30,8 +30,13 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 4096, 32768)
 # (sequences, new tokens per sequence, context per sequence): whole prompts, then chunked prefills
 # after a long cached prefix.
+# The issue's target (>= 70% of copy bandwidth on an H200), and the variants timed on it.
+DECODE_TARGET = (64, 4096)
+DECODE_SWEEP = ((32, 1), (128, 1), (64, 4), (64, 8), (128, 4))
 PREFILL_CASES = ((1, 512, 512), (1, 4096, 4096), (8, 2048, 2048), (1, 16384, 16384), (1, 2048, 32768))
 STORE_TOKENS = (256, 8192)
+# Decode/prefill on a cache with NaN in every unowned slot and a shared first block.
+POISONED_LENS = [20, 33, 1000, 5000]
 CHECKED_SEQS = 4  # sequences of each batch compared with the reference
 CHECKED_ROWS = 512  # last query rows of each prefill sequence compared with the reference
 # One 1B-class Llama (Llama-3.2-1B's shape) for the engine decode step.
@@ -281,7 +286,7 @@ def run_full(report: Report, device, engine: bool) -> None:
     torch.cuda.empty_cache()
     free_bytes = torch.cuda.mem_get_info(device)[0]
 
-    check_poisoned(report, backend, device, dtype, [20, 33, 1000, 5000])
+    check_poisoned(report, backend, device, dtype, POISONED_LENS)
 
     for tokens in STORE_TOKENS:
         check_store(report, f"{tokens} tokens", backend, tokens, dtype, device, generator)
@@ -324,6 +329,8 @@ def run_full(report: Report, device, engine: bool) -> None:
                 report.timings.append(timing("decode", f"{name}, {label}", seconds, kv_bytes, report))
             del cache, query, args
 
+    sweep_decode(report, bench, device, dtype, generator)
+
     for seqs, q_len, context in PREFILL_CASES:
         cache = uniform_paged_cache(seqs, context, dtype, device, generator)
         query = torch.randn(
@@ -346,6 +353,24 @@ def run_full(report: Report, device, engine: bool) -> None:
     if engine:
         torch.cuda.empty_cache()
         time_engine_decode(report, device)
+
+
+def sweep_decode(report: Report, bench, device, dtype, generator) -> None:
+    """The issue's target case under other tile sizes and split counts, to tune the defaults from."""
+    import torch
+    from pagoda.kernels.triton_backend import TritonBackend
+
+    batch, context = DECODE_TARGET
+    cache = uniform_paged_cache(batch, context, dtype, device, generator)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator, device=device, dtype=dtype)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, HEAD_DIM**-0.5)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * query.element_size()
+    for block_n, parts in DECODE_SWEEP:
+        variant = TritonBackend(decode_block_n=block_n, decode_partitions=parts)
+        name = f"batch {batch} x ctx {context}, sweep: tile {block_n}, split {parts}"
+        check_decode(report, name, variant, cache, query, rows=checked_rows(batch))
+        seconds = bench(lambda v=variant: v.paged_decode_attention(*args))
+        report.timings.append(timing("decode", name, seconds, kv_bytes, report))
 
 
 def timing(
@@ -401,7 +426,7 @@ def time_engine_decode(report: Report, device) -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as folder:
-        save_random_llama(Path(folder))
+        save_random_llama(Path(folder), device)
         loaded = load_model(folder, dtype="bfloat16", device=device)
         for batch in ENGINE_BATCHES:
             blocks = batch * (-(-(ENGINE_PROMPT + ENGINE_STEPS + 1) // BLOCK_SIZE)) + 8
@@ -429,7 +454,8 @@ def time_engine_decode(report: Report, device) -> None:
                 decoding = len(produced) == batch and all(n >= 1 for n in produced.values())
                 start = time.perf_counter()
                 outputs = engine.step()
-                torch.cuda.synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 if decoding:
                     step_seconds.append(time.perf_counter() - start)
                 for output in outputs:
@@ -449,7 +475,7 @@ def time_engine_decode(report: Report, device) -> None:
             torch.cuda.empty_cache()
 
 
-def save_random_llama(folder: Path) -> None:
+def save_random_llama(folder: Path, device) -> None:
     """A random-weight Llama-3.2-1B-shaped HF folder with a local word-level tokenizer over the
     whole vocabulary (any sampled id decodes)."""
     import torch
@@ -458,7 +484,7 @@ def save_random_llama(folder: Path) -> None:
 
     config = LlamaConfig(**ENGINE_MODEL, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):  # random init is slow on the CPU for 1B parameters
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
