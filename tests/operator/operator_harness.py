@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -71,20 +72,49 @@ async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: str 
         await asyncio.sleep(0.05)
 
 
+async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: float = 5.0) -> None:
+    """Wait until no writes came for `quiet` seconds (the status refresh only reads when idle).
+
+    Stopping kopf mid-handler makes it wait 5 s for the handler's retries; tests need not pay that.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        writes = sum(1 for r in list(k8s) if r.method != "GET")
+        await asyncio.sleep(quiet)
+        if sum(1 for r in list(k8s) if r.method != "GET") == writes:
+            return
+
+
 @contextlib.asynccontextmanager
 async def running_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[None]:
-    """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it."""
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(clusterwide=True, peering_name=PEERING,
-                                             stop_flag=stop, ready_flag=ready))
+    """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it, in its own thread.
+
+    Its own thread and event loop, as in a real process: at exit kopf waits for, then cancels, every
+    task of its loop, which must not include the emulator's request handlers.
+    """
+    stop, ready = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(clusterwide=True, peering_name=PEERING, stop_flag=stop, ready_flag=ready))
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="kopf-operator", daemon=True)
+    thread.start()
     try:
-        await asyncio.wait_for(ready.wait(), 15)
+        assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
         await eventually(lambda: any(r.action == kmock.action.WATCH and r.resource == kmock.resource(CR)
                                      for r in list(k8s)), what="the operator watching InferenceServices")
         yield
+        await settled(k8s)
     finally:
         stop.set()
-        await asyncio.wait_for(task, 20)
+        await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop"
+    assert not errors, errors
 
 
 def isvc(name: str = "llm", **spec: Any) -> dict[str, Any]:

@@ -112,7 +112,8 @@ async def test_ready_pods_make_it_ready_with_endpoint(k8s):
         status = live(k8s, CR, "llm")["status"]
         assert status["endpoint"] == f"http://llm.{NS}.svc:8000/v1" and status["ready"] == "1/1"
         assert condition(k8s, "llm", "Degraded")["status"] == "False"
-        assert any(e["reason"] == "Ready" and e["type"] == "Normal" for e in events(k8s))
+        await eventually(lambda: any(e["reason"] == "Ready" and e["type"] == "Normal" for e in events(k8s)),
+                         what="Ready event")
 
 
 async def test_crash_looping_pod_degrades_with_reason(k8s):
