@@ -1,36 +1,55 @@
-"""The offline baseline: the same workload through `LLM` in this process, no HTTP in between.
+"""The offline baseline: the same workload through the engine in this process, no HTTP in between.
 
-`max_num_seqs` = the HTTP run's `--max-concurrency`, so both runs keep the same number of requests
-in flight and the ratio measures what the server costs.
+At most `max_concurrency` requests are in the engine at once (a new one enters as one finishes), as
+the HTTP run's client does, so the ratio of the two throughputs measures what serving over HTTP costs.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from typing import Any
 
 from pagoda.server.bench.dataset import BenchRequest
 
 
-def run_offline(
-    requests: list[BenchRequest], engine_kwargs: dict[str, Any], temperature: float = 0.0
-) -> dict[str, Any]:
-    from pagoda.server.engine.llm import LLM
-    from pagoda.server.engine.sampling_params import SamplingParams
+class OfflineBaseline:
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from pagoda.server.engine.llm import LLM
 
-    llm = LLM(**engine_kwargs)
-    params = [
-        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature) for r in requests
-    ]
-    prompts = [r.prompt if isinstance(r.prompt, list) else llm.tokenizer.encode(r.prompt) for r in requests]
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, untimed
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    duration = time.perf_counter() - start
-    tokens = sum(len(choice.token_ids) for out in outputs for choice in out.outputs)
-    return {
-        "offline_duration_s": duration,
-        "offline_output_tokens": tokens,
-        "offline_output_throughput": tokens / duration,
-        "offline_request_throughput": len(requests) / duration,
-    }
+        self.llm = LLM(**engine_kwargs)  # loaded once, reused for every run of a sweep
+        self._ids = itertools.count()
+
+    def run(
+        self, requests: list[BenchRequest], max_concurrency: int | None = None, temperature: float = 0.0
+    ) -> dict[str, Any]:
+        from pagoda.server.engine.sampling_params import SamplingParams
+
+        engine = self.llm.engine
+        tokenizer = self.llm.tokenizer
+        prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt) for r in requests]
+        self.llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, untimed
+        pending = deque(zip(prompts, requests, strict=True))
+        cap = max_concurrency or len(requests)
+        in_flight = tokens = 0
+        start = time.perf_counter()
+        while pending or in_flight:
+            while pending and in_flight < cap:
+                prompt, request = pending.popleft()
+                params = SamplingParams(
+                    max_tokens=request.output_len, ignore_eos=True, temperature=temperature
+                )
+                engine.add_request(f"bench-{next(self._ids)}", prompt, params)
+                in_flight += 1
+            for output in engine.step():
+                if output.finished:
+                    in_flight -= 1
+                    tokens += sum(len(choice.token_ids) for choice in output.outputs)
+        duration = time.perf_counter() - start
+        return {
+            "offline_duration_s": duration,
+            "offline_output_tokens": tokens,
+            "offline_output_throughput": tokens / duration,
+            "offline_request_throughput": len(requests) / duration,
+        }

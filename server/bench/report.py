@@ -82,20 +82,18 @@ def format_table(summary: dict[str, Any], title: str = "Serving benchmark result
 
 
 def save_result(
-    path: Path, summary: dict[str, Any], results: list[RequestResult], config: dict[str, Any]
+    path: Path, runs: list[tuple[dict[str, Any], list[RequestResult]]], config: dict[str, Any]
 ) -> None:
+    """One JSON file: the config, then per run its summary and per-request results."""
+    fields = ("success", "error", "prompt_len", "output_tokens", "start", "ttft", "latency")
     payload = {
         "config": config,
-        "summary": summary,
-        "requests": [
-            {
-                k: getattr(r, k)
-                for k in ("success", "error", "prompt_len", "output_tokens", "start", "ttft", "latency")
-            }
-            for r in results
+        "runs": [
+            {"summary": summary, "requests": [{k: getattr(r, k) for k in fields} for r in results]}
+            for summary, results in runs
         ],
     }
-    Path(path).write_text(json.dumps(payload, indent=2))
+    Path(path).write_text(json.dumps(payload, indent=2, default=str))
 
 
 def plot(path: Path, results: list[RequestResult]) -> None:

@@ -39,7 +39,7 @@ def test_bench_serve_against_the_server(server, tiny_dir, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "Successful requests" in table and "Median TTFT (ms)" in table and "P99 ITL (ms)" in table
     saved = json.loads(result.read_text())
-    summary = saved["summary"]
+    summary = saved["runs"][0]["summary"]
     assert summary["successful_requests"] == 12 and summary["failed_requests"] == 0
     expected_tokens = sum(
         r.output_len for r in random_requests(12, 16, 8, 0.5, 16, 0, load_tokenizer(str(tiny_dir)))
@@ -49,13 +49,15 @@ def test_bench_serve_against_the_server(server, tiny_dir, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_chat_endpoint_and_offline_ratio(server, tiny_dir, capsys):
+def test_bench_sweep_over_chat_with_offline_ratio(server, tiny_dir, capsys):
     code = pagoda(
-        ["bench", "serve", "--base-url", server.url + "/v1", "--endpoint", "chat", "--num-prompts", "6",
-         "--input-len", "12", "--output-len", "6", "--no-progress", "--offline", "--offline-model", str(tiny_dir),
-         "--offline-kv-cache-memory", "8MiB", "--max-concurrency", "3"]
+        ["bench", "serve", "--base-url", server.url + "/v1", "--endpoint", "chat", "--num-prompts", "2,6",
+         "--max-concurrency", "1,3", "--input-len", "12", "--output-len", "6", "--no-progress", "--offline",
+         "--offline-model", str(tiny_dir), "--offline-kv-cache-memory", "8MiB"]
     )  # fmt: skip
     assert code == 0
-    table = capsys.readouterr().out
-    assert "HTTP / offline throughput ratio" in table
-    assert "Failed requests                                  0" in table
+    out = capsys.readouterr().out
+    assert out.count("HTTP / offline throughput ratio") == 2
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["2", "6"]  # successful requests per point
+    assert all(float(row.split("|")[10]) > 0 for row in rows)  # the HTTP/offline ratio column
