@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pagoda.server.api.generation import Delta, TokenText, top_entries
+from pagoda.server.api.generation import Delta, TokenText, chosen_logprob, top_entries
 from pagoda.server.api.serving import ResponseIds, serve_generation
 from pagoda.server.protocol import bad_request, parse_chat_request
 
@@ -28,7 +28,7 @@ class ChatFormatter:
             return None
         content = []
         for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=False):
-            item = self._entry(token_id, entry.get(token_id))
+            item = self._entry(token_id, chosen_logprob(entry, token_id))
             item["top_logprobs"] = [self._entry(t, lp) for t, lp in top_entries(entry, self._top_logprobs)]
             content.append(item)
         return {"content": content}

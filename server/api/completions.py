@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pagoda.server.api.generation import Delta, TokenText, top_entries
+from pagoda.server.api.generation import Delta, TokenText, chosen_logprob, top_entries
 from pagoda.server.api.serving import ResponseIds, serve_generation
 from pagoda.server.protocol import parse_completion_request
 
@@ -28,7 +28,7 @@ class CompletionFormatter:
         for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=False):
             text = self._token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(entry.get(token_id))
+            token_logprobs.append(chosen_logprob(entry, token_id))
             top: dict[str, float] = {}
             for top_id, top_lp in top_entries(entry, self._top_k):
                 top.setdefault(self._token_text(top_id), top_lp)  # tokens may share a text: keep the likelier

@@ -154,9 +154,23 @@ class TokenText:
         return text
 
 
+# JSON has no -Infinity/NaN (a token outside top-p/top-k has logprob -inf): clamp as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares False: clamped too
+
+
+def chosen_logprob(entry: dict[int, float], token_id: int) -> float | None:
+    value = entry.get(token_id)
+    return None if value is None else json_logprob(value)
+
+
 def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one position (the dict also holds the chosen token)."""
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+    ranked = sorted(entry.items(), key=lambda item: -item[1] if item[1] == item[1] else float("inf"))
+    return [(token_id, json_logprob(value)) for token_id, value in ranked[:k]]
 
 
 @dataclasses.dataclass
