@@ -104,9 +104,11 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self._stats_reader: StatsReader | None = None
-        self._loaded = False
+        # First in the registry: each scrape reads the engine (and its step counts into the
+        # iteration histogram) before the histograms are collected.
+        self.registry.register(_EngineCollector(model_name, self.read_stats))
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
@@ -135,7 +137,6 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.finished = {reason: finished.labels(model_name, reason) for reason in FINISHED_REASONS}
-        self.registry.register(_EngineCollector(model_name, self.read_stats))
 
     def attach(self, stats: Callable[[], EngineStats]) -> None:
         """Start reading engine stats (called once the model is loaded)."""
