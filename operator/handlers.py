@@ -74,8 +74,8 @@ async def _observe(owner: render.Owner, logger: kopf.Logger, apply_error: str | 
 async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, logger: kopf.Logger, **_: Any) -> None:
     owner = render.Owner.of(body)
     defaulted = crd.with_defaults(dict(spec))
-    monitors_served = render.service_monitor_wanted(defaulted) and await kube.serves(
-        SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
+    # asked every time: the Prometheus Operator may be installed (or removed) after us
+    monitors_served = await kube.serves(SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
     try:
         desired = render.render(owner, dict(spec), default_image=CONFIG.image(),
                                 service_monitors_served=monitors_served)

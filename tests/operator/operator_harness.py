@@ -43,6 +43,9 @@ def prepare_cluster(k8s: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: 
     k8s.objects["kopf.dev/v1/clusterkopfpeerings", None, PEERING] = {
         "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
         "metadata": {"name": PEERING, "uid": "peering-uid", "resourceVersion": "1"}}
+    k8s.objects["kopf.dev/v1/kopfpeerings", NS, PEERING] = {
+        "apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+        "metadata": {"name": PEERING, "namespace": NS, "uid": "ns-peering-uid", "resourceVersion": "1"}}
     kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
                   "clusters": [{"name": "emulator", "cluster": {"server": str(k8s.url).rstrip("/")}}],
                   "users": [{"name": "operator", "user": {}}],
@@ -87,8 +90,10 @@ async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: fl
 
 
 @contextlib.asynccontextmanager
-async def running_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[None]:
-    """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it, in its own thread.
+async def running_operator(k8s: kmock.KubernetesEmulator,
+                           namespaces: list[str] | None = None) -> AsyncIterator[None]:
+    """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it (or with
+    `--namespace=NS` for each of `namespaces`), in its own thread.
 
     Its own thread and event loop, as in a real process: at exit kopf waits for, then cancels, every
     task of its loop, which must not include the emulator's request handlers.
@@ -98,7 +103,8 @@ async def running_operator(k8s: kmock.KubernetesEmulator) -> AsyncIterator[None]
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(clusterwide=True, peering_name=PEERING, stop_flag=stop, ready_flag=ready))
+            asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
+                                      peering_name=PEERING, stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)
 

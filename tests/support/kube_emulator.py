@@ -14,6 +14,8 @@ our operators depend on:
   requires `fieldManager`, and removes fields the same manager applied before but no longer applies
   (maps only; lists are atomic, as for most lists without a merge key);
 - `labelSelector` filtering on list and watch (=, ==, !=, in, notin, exists, !exists);
+- parsing of `/api/v1/namespaces[/name]` (kmock 0.8 fails on it: kopf lists namespaces when it serves
+  only some of them);
 - garbage collection: objects whose owners (ownerReferences uids) are all gone are deleted;
 - no-op writes (a patch or apply that changes nothing) store no new version and send no watch event.
 
@@ -35,7 +37,7 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
-from kmock._internal import dicts, rendering
+from kmock._internal import dicts, parsing, rendering
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete", "deletecollection"}
@@ -57,6 +59,9 @@ BUILTIN_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget",
                                                          singular="poddisruptionbudget", namespaced=True,
                                                          verbs=VERBS, subresources={"status"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=VERBS,
+        subresources={"status"}),
     "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(kind="ClusterKopfPeering",
                                                           singular="clusterkopfpeering",
                                                           namespaced=False, verbs=VERBS),
@@ -66,6 +71,19 @@ BUILTIN_RESOURCES: dict[str, kmock.ResourceInfo] = {
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
 SERVICE_MONITOR_INFO = kmock.ResourceInfo(kind="ServiceMonitor", singular="servicemonitor",
                                           namespaced=True, verbs=VERBS)
+
+
+def _parse_path_with_namespaces(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 cannot parse the `namespaces` resource itself (`/api/v1/namespaces[/name]`): it reads
+    the word as the namespace prefix of a namespaced path and fails. Parse those two forms here."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        return parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) == 4 else None)
+    return _kmock_parse_path(path)
+
+
+_kmock_parse_path = parsing.parse_path
+parsing.parse_path = _parse_path_with_namespaces
 
 
 def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False) -> None:
