@@ -98,3 +98,22 @@ def test_defaults_fill_sections_the_user_left_out():
     assert spec["engine"]["blockSize"] == 16 and spec["autoscaling"]["targetKVCacheUsage"] == 0.7
     assert spec["replicas"] == 1 and spec["monitoring"]["serviceMonitor"] is True
     assert "hfTokenSecretRef" not in spec["model"]  # objects without `default` are not invented
+
+
+def test_doc_reference_is_the_generated_one():
+    doc = (ROOT / "docs" / "inferenceservice.md").read_text()
+    section = doc.split("<!-- reference:begin -->\n", 1)[1].split("<!-- reference:end -->", 1)[0]
+    assert section == crd.markdown_reference(), "regenerate with `python -m pagoda.operator.crd --markdown`"
+
+
+def test_doc_reference_lists_every_spec_field():
+    def paths(node, prefix):
+        for name, child in node.get("properties", {}).items():
+            yield f"{prefix}.{name}"
+            items = child.get("items", {})
+            yield from paths(child, f"{prefix}.{name}") if "properties" in child else ()
+            yield from paths(items, f"{prefix}.{name}[]") if "properties" in items else ()
+
+    reference = crd.markdown_reference()
+    missing = [p for p in paths(crd.schema()["properties"]["spec"], "spec") if f"| `{p}` |" not in reference]
+    assert missing == []
