@@ -98,3 +98,19 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def _randn(shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=generator).to(dtype)
+
+
+def latin_square(
+    block_sizes: list[int], groups: list[int], dtypes: list[torch.dtype]
+) -> list[tuple[int, int, torch.dtype]]:
+    """Every (block size, GQA group) pair once, with the dtype cycling so that with three of each,
+    every pair of the three factors appears: a third of the full product's cost."""
+    return [
+        (block_size, group, dtypes[(i + j) % len(dtypes)])
+        for i, block_size in enumerate(block_sizes)
+        for j, group in enumerate(groups)
+    ]
+
+
+def case_id(block_size: int, group: int, dtype: torch.dtype) -> str:
+    return f"block{block_size}-group{group}-{str(dtype).removeprefix('torch.')}"

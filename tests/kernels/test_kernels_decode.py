@@ -1,6 +1,13 @@
 import pytest
 import torch
-from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+from pagoda.kernels.testing import (
+    case_id,
+    latin_square,
+    make_paged_kv,
+    random_queries,
+    relative_error,
+    tolerance,
+)
 from pagoda.kernels.triton_backend import TritonBackend
 from pagoda.kernels.triton_decode import num_decode_partitions
 
@@ -53,9 +60,11 @@ def _check_decode(
     assert relative_error(out, expected) <= tolerance(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("group", [1, 4, 8])
+# Every block size x GQA group pair, every dtype with each, on both the single-pass and split-K paths.
+LATIN = latin_square([8, 16, 32], [1, 4, 8], DTYPES)
+
+
+@pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN, ids=[case_id(*case) for case in LATIN])
 @pytest.mark.parametrize("mode", ["single", "split"])
 def test_decode_matches_reference(mode, group, block_size, dtype, reference, generator):
     # One token, a length ending mid-block, and lengths 1-2 orders of magnitude apart in one batch.

@@ -1,6 +1,13 @@
 import pytest
 import torch
-from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+from pagoda.kernels.testing import (
+    case_id,
+    latin_square,
+    make_paged_kv,
+    random_queries,
+    relative_error,
+    tolerance,
+)
 from pagoda.kernels.triton_backend import TritonBackend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -58,16 +65,10 @@ def _check_prefill(
 MIXED = [(9, 9), (50, 1), (100, 37), (23, 23)]
 
 
-# A Latin square over (block size, GQA group) x dtype: every pair of the three appears, at a third
-# of the full product's cost under the interpreter.
-LATIN = [
-    (block_size, group, DTYPES[(i + j) % 3])
-    for i, block_size in enumerate([8, 16, 32])
-    for j, group in enumerate([1, 4, 8])
-]
+LATIN = latin_square([8, 16, 32], [1, 4, 8], DTYPES)
 
 
-@pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN)
+@pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN, ids=[case_id(*case) for case in LATIN])
 def test_prefill_matches_reference(group, block_size, dtype, reference, generator):
     _check_prefill(SMALL_TILES, reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype)
 
