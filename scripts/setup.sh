@@ -5,6 +5,9 @@
 #                             shellcheck, and a helm binary (scripts/get-helm.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo root holds a folder named `operator` (a stdlib name): never let `python -m` put the
+# working directory on sys.path.
+export PYTHONSAFEPATH=1
 
 dev=0
 [ "${1:-}" = "--dev" ] && dev=1
