@@ -13,7 +13,7 @@ from typing import Any
 
 from kopf._cogs.clients import api as kopf_api
 from kopf._core.engines.posting import settings_var
-from pagoda.operator.kube import Logger, NotFound, path
+from pagoda.operator.kube import APIError, Logger, NotFound, path
 from pagoda.operator.render import FIELD_MANAGER, KINDS, ChildKind, Desired
 
 APPLY_PATCH = {"Content-Type": "application/apply-patch+yaml"}  # a JSON body is valid YAML
@@ -39,10 +39,24 @@ async def delete_if_present(kind: ChildKind, namespace: str, name: str, logger: 
     return True
 
 
+class ApplyError(Exception):
+    """The API refused some children (the message names each one and why)."""
+
+
 async def apply_desired(desired: Desired, namespace: str, logger: Logger) -> list[dict[str, Any]]:
-    """Apply every desired object, then delete the ones that must not exist; returns what the API stored."""
-    stored = [await apply(obj, logger) for obj in desired.objects]
+    """Apply every desired object, then delete the ones that must not exist; returns what the API stored.
+
+    One refused object (say, a PVC change the API cannot make) does not hold back the others.
+    """
+    stored, refused = [], []
+    for obj in desired.objects:
+        try:
+            stored.append(await apply(obj, logger))
+        except APIError as exc:
+            refused.append(f"{obj['kind']} {obj['metadata']['name']}: {exc}")
     for kind, name in desired.absent:
         if await delete_if_present(kind, namespace, name, logger):
             logger.info(f"deleted {kind.kind} {name}: no longer wanted")
+    if refused:
+        raise ApplyError("; ".join(refused))
     return stored

@@ -85,8 +85,8 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, logger: k
     apply_error = None
     try:
         await apply.apply_desired(desired, owner.namespace, logger)
-    except kube.APIError as exc:
-        apply_error = f"the API refused a child object: {exc}"
+    except apply.ApplyError as exc:
+        apply_error = f"the API refused: {exc}"
         metrics.ERRORS.labels("apply").inc()
     monitor_state = ("Disabled" if not render.service_monitor_wanted(defaulted)
                      else "Created" if monitors_served else "CRDNotFound")

@@ -90,8 +90,8 @@ async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: fl
 
 
 @contextlib.asynccontextmanager
-async def running_operator(k8s: kmock.KubernetesEmulator,
-                           namespaces: list[str] | None = None) -> AsyncIterator[None]:
+async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] | None = None,
+                           liveness: str | None = None) -> AsyncIterator[None]:
     """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it (or with
     `--namespace=NS` for each of `namespaces`), in its own thread.
 
@@ -104,7 +104,8 @@ async def running_operator(k8s: kmock.KubernetesEmulator,
     def run() -> None:
         try:
             asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
-                                      peering_name=PEERING, stop_flag=stop, ready_flag=ready))
+                                      peering_name=PEERING, liveness_endpoint=liveness,
+                                      stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)
 

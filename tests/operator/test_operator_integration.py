@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import kmock
 import pytest
 from operator_harness import (
@@ -48,7 +51,7 @@ def k8s(kmock, tmp_path, monkeypatch):
     return kmock
 
 
-async def test_create_makes_owned_children(k8s):
+async def test_create_makes_owned_children(k8s, caplog):
     async with running_operator(k8s):
         cr = await create(k8s, isvc(replicas=2, model={"uri": "hf://org/model@v1",
                                                       "hfTokenSecretRef": {"name": "hf-secret"}}))
@@ -71,6 +74,7 @@ async def test_create_makes_owned_children(k8s):
         assert "endpoint" not in status  # nothing serves yet
         # the token's Secret is referenced by the pod only: not in status, not in events
         assert "hf-secret" not in str(status) and "hf-secret" not in str(events(k8s))
+        assert "hf-secret" not in caplog.text  # kopf and our handlers at the default (INFO) level
         # deleting the InferenceService garbage-collects every child
         await k8s.delete(f"{CR_URL}/llm")
         await eventually(lambda: all(k8s.objects[r, NS, n].deleted for r, n in
@@ -162,3 +166,25 @@ async def test_missing_servicemonitor_crd_is_reported(kmock, tmp_path, monkeypat
         assert (cond["status"], cond["reason"]) == ("False", "CRDNotFound")
         assert live(kmock, DEP, "llm")
         await eventually(lambda: any(e["reason"] == "ServiceMonitorSkipped" for e in events(kmock)))
+
+
+async def test_a_refused_child_degrades_and_the_others_still_apply(k8s):
+    # The API refuses the PVC (as it refuses most changes to a bound claim); kmock answers with the error.
+    k8s["patch", kmock.resource("", "v1", "persistentvolumeclaims")] << kmock.KubernetesError(
+        422, "Invalid", "spec: Forbidden: spec is immutable after creation")
+    async with running_operator(k8s):
+        await create(k8s, isvc())
+        degraded = await eventually(lambda: condition(k8s, "llm", "Degraded")["status"] == "True"
+                                    and condition(k8s, "llm", "Degraded"), what="Degraded")
+        assert degraded["reason"] == "ApplyFailed"
+        assert "PersistentVolumeClaim llm-weights" in degraded["message"] and "immutable" in degraded["message"]
+        assert live(k8s, DEP, "llm") and live(k8s, SVC, "llm")
+        # status refreshes keep reporting it until a reconcile succeeds
+        await asyncio.sleep(0.5)
+        assert condition(k8s, "llm", "Degraded")["reason"] == "ApplyFailed"
+
+
+async def test_liveness_endpoint(k8s, unused_tcp_port):
+    url = f"http://127.0.0.1:{unused_tcp_port}/healthz"
+    async with running_operator(k8s, liveness=url), aiohttp.ClientSession() as session, session.get(url) as resp:
+        assert resp.status == 200
