@@ -30,6 +30,7 @@ from operator_harness import (
     set_deployment_status,
 )
 from pagoda.operator import render
+from prometheus_client import REGISTRY
 from support.kube_emulator import KubeEmulator
 
 DEP_RESOURCE = kmock.resource(DEP)
@@ -52,6 +53,7 @@ def k8s(kmock, tmp_path, monkeypatch):
 
 
 async def test_create_makes_owned_children(k8s, caplog):
+    successes = REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) or 0
     async with running_operator(k8s):
         cr = await create(k8s, isvc(replicas=2, model={"uri": "hf://org/model@v1",
                                                       "hfTokenSecretRef": {"name": "hf-secret"}}))
@@ -75,6 +77,8 @@ async def test_create_makes_owned_children(k8s, caplog):
         # the token's Secret is referenced by the pod only: not in status, not in events
         assert "hf-secret" not in str(status) and "hf-secret" not in str(events(k8s))
         assert "hf-secret" not in caplog.text  # kopf and our handlers at the default (INFO) level
+        assert REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) > successes
+        assert REGISTRY.get_sample_value("pagoda_operator_desired_replicas", {"namespace": NS, "name": "llm"}) == 2
         # deleting the InferenceService garbage-collects every child
         await k8s.delete(f"{CR_URL}/llm")
         await eventually(lambda: all(k8s.objects[r, NS, n].deleted for r, n in

@@ -139,3 +139,18 @@ def test_refused_apply_is_carried_until_a_reconcile_succeeds():
     refused = compute(status.Observation(deployment(), [], apply_error="immutable"))
     assert status.carried_apply_error(refused) == "immutable"
     assert status.carried_apply_error(compute(status.Observation(deployment(), []))) is None
+
+
+@pytest.mark.parametrize(("args", "query", "expected"), [
+    (("v1", "pods", "ml"), {"labelSelector": "a=b,c in (d)"},
+     "/api/v1/namespaces/ml/pods?labelSelector=a%3Db%2Cc%20in%20%28d%29"),
+    (("apps/v1", "deployments", "ml", "llm"), {}, "/apis/apps/v1/namespaces/ml/deployments/llm"),
+    (("serving.pagoda.dev/v1alpha1", "inferenceservices", "ml", "llm", "status"), {},
+     "/apis/serving.pagoda.dev/v1alpha1/namespaces/ml/inferenceservices/llm/status"),
+    (("apiextensions.k8s.io/v1", "customresourcedefinitions"), {},
+     "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
+])
+def test_api_paths(args, query, expected):
+    from pagoda.operator.kube import path
+
+    assert path(*args, **query) == expected
