@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import importlib.metadata
 import logging
@@ -50,14 +51,28 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what matters; no "handler succeeded"
 
 
-async def _publish_status(body: kopf.Body, new: dict[str, Any], logger: kopf.Logger) -> None:
+LAST_STATUS, STATUS_LOCK = "pagoda_last_status", "pagoda_status_lock"  # keys in kopf's per-object memo
+
+
+def _status_lock(memo: kopf.Memo) -> asyncio.Lock:
+    """Reconcile and the refresh daemon of one object write status one at a time."""
+    return memo.setdefault(STATUS_LOCK, asyncio.Lock())
+
+
+def _last_status(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
+    """What we wrote last: the watch event that brings it into `body` may not have arrived yet."""
+    return dict(memo.get(LAST_STATUS) or body.get("status") or {})
+
+
+async def _publish_status(body: kopf.Body, memo: kopf.Memo, new: dict[str, Any], old: dict[str, Any],
+                          logger: kopf.Logger) -> None:
     """Write what changed and post Events for the transitions."""
-    old = dict(body.get("status") or {})
     changes = status.status_changes(new, old)
     if not changes:
         return
     meta = body["metadata"]
     await kube.patch_status(meta["namespace"], meta["name"], changes, logger)
+    memo[LAST_STATUS] = {k: v for k, v in {**old, **new}.items() if v is not None}
     for kind, reason, message in status.transitions(new["conditions"], old.get("conditions") or []):
         kopf.event(body, type=kind, reason=reason, message=message)
 
@@ -71,7 +86,8 @@ async def _observe(owner: render.Owner, logger: kopf.Logger, apply_error: str | 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, logger: kopf.Logger, **_: Any) -> None:
+async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger,
+                    **_: Any) -> None:
     owner = render.Owner.of(body)
     defaulted = crd.with_defaults(dict(spec))
     # asked every time: the Prometheus Operator may be installed (or removed) after us
@@ -90,10 +106,12 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, logger: k
         metrics.ERRORS.labels("apply").inc()
     monitor_state = ("Disabled" if not render.service_monitor_wanted(defaulted)
                      else "Created" if monitors_served else "CRDNotFound")
-    observation = await _observe(owner, logger, apply_error)
-    new = status.compute_status(owner, defaulted, observation, generation=meta.get("generation", 0),
-                                now=_now(), previous=body.get("status"), service_monitor_state=monitor_state)
-    await _publish_status(body, new, logger)
+    async with _status_lock(memo):
+        previous = _last_status(body, memo)
+        observation = await _observe(owner, logger, apply_error)
+        new = status.compute_status(owner, defaulted, observation, generation=meta.get("generation", 0),
+                                    now=_now(), previous=previous, service_monitor_state=monitor_state)
+        await _publish_status(body, memo, new, previous, logger)
     metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
     if apply_error:
         metrics.RECONCILES.labels("error").inc()
@@ -102,21 +120,23 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, logger: k
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5)
-async def refresh_status(body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any) -> None:
+async def refresh_status(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, logger: kopf.Logger,
+                         **_: Any) -> None:
     """Keep status in step with the pods between reconciles (downloads, crashes, readiness)."""
     owner = render.Owner.of(body)
     while not stopped:
-        previous = body.get("status") or {}
-        if "observedGeneration" in previous:  # reconcile has run at least once
-            try:
-                observation = await _observe(owner, logger, status.carried_apply_error(previous))
-                new = status.compute_status(owner, crd.with_defaults(dict(body.get("spec") or {})),
-                                            observation, generation=previous["observedGeneration"],
-                                            now=_now(), previous=previous, service_monitor_state=None)
-                await _publish_status(body, new, logger)
-            except kube.APIError as exc:
-                metrics.ERRORS.labels("status").inc()
-                logger.warning(f"status refresh failed: {exc}")
+        async with _status_lock(memo):
+            previous = _last_status(body, memo)
+            if "observedGeneration" in previous:  # reconcile has run at least once
+                try:
+                    observation = await _observe(owner, logger, status.carried_apply_error(previous))
+                    new = status.compute_status(owner, crd.with_defaults(dict(body.get("spec") or {})),
+                                                observation, generation=previous["observedGeneration"],
+                                                now=_now(), previous=previous, service_monitor_state=None)
+                    await _publish_status(body, memo, new, previous, logger)
+                except kube.APIError as exc:
+                    metrics.ERRORS.labels("status").inc()
+                    logger.warning(f"status refresh failed: {exc}")
         await stopped.wait(CONFIG.status_interval)
 
 

@@ -122,6 +122,8 @@ async def test_ready_pods_make_it_ready_with_endpoint(k8s):
         assert condition(k8s, "llm", "Degraded")["status"] == "False"
         await eventually(lambda: any(e["reason"] == "Ready" and e["type"] == "Normal" for e in events(k8s)),
                          what="Ready event")
+        await asyncio.sleep(0.5)  # a few more status refreshes: nothing changes, nothing is posted again
+        assert [e["reason"] for e in events(k8s)].count("Ready") == 1
 
 
 async def test_crash_looping_pod_degrades_with_reason(k8s):
