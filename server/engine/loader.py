@@ -181,22 +181,45 @@ def _load_hf_folder(source: ModelSource, dtype: torch.dtype, device: torch.devic
     return model, hf_config, tokenizer, generation_config
 
 
+class _GgufNameMap:
+    """The two things transformers' GGUF tensor-name mapping reads off a model: its config and its
+    state-dict names. Standing in for a built transformers model saves building one (and mapping
+    names for every submodule, which costs seconds)."""
+
+    def __init__(self, config: Any, names: list[str]) -> None:
+        self.config = config
+        self._names = names
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self._names)
+
+    def named_children(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+
 def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, file = source.path.parent, source.path.name
-    carrier = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    hf_config = carrier.config
-    # GGUF configs carry no `architectures`; the class transformers chose for the file says it.
-    hf_config.architectures = hf_config.architectures or [type(carrier).__name__]
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    # GGUF metadata names no `architectures`; the model type does (llama -> LlamaForCausalLM, ...).
+    if not getattr(hf_config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "")]
     model = build_model(hf_config, dtype, device)
-    model.load_weights(carrier.state_dict().items())
-    generation_config = carrier.generation_config
-    del carrier
+    # The same dequantizing reader (and q/k un-permutation) from_pretrained(gguf_file=...) uses.
+    names = [*model.checkpoint_names(), "lm_head.weight"]
+    parsed = load_gguf_checkpoint(
+        str(source.path),
+        return_tensors=True,
+        model_to_load=_GgufNameMap(hf_config, names),
+        torch_dtype=torch.float32,
+    )
+    model.load_weights(parsed["tensors"].items())
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return model, hf_config, tokenizer, generation_config
+    return model, hf_config, tokenizer, None
 
 
 def load_model(

@@ -22,3 +22,8 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
     return tiny_model_dir("mistral", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir("llama3", tmp_path_factory)

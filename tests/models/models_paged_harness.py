@@ -80,3 +80,59 @@ class PagedHarness:
             out[seq] = logits[offset : offset + n]
             offset += n
         return out
+
+
+# A schedule of engine-like steps over four sequences "a".."d": prefill together, decode, a mixed step
+# (a chunk of c prefilling while a and b decode), c's second chunk after cached context, a 1-token
+# prompt, then decodes of everything. Each entry: ({seq: prompt slice}, [decoding seqs]).
+PROMPT_LENGTHS = {"a": 17, "b": 5, "c": 40, "d": 1}
+SCHEDULE: list[tuple[dict[str, slice], list[str]]] = [
+    ({"a": slice(0, 17), "b": slice(0, 5)}, []),
+    ({}, ["a", "b"]),
+    ({"c": slice(0, 24)}, ["a", "b"]),
+    ({"c": slice(24, 40), "d": slice(0, 1)}, ["a", "b"]),
+    ({}, ["a", "b", "c", "d"]),
+    ({}, ["a", "b", "c", "d"]),
+    ({}, ["c", "d"]),
+]
+
+
+def run_schedule(
+    harness: PagedHarness, sequences: dict[str, list[int]]
+) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Feed `sequences` (prompt + continuation tokens, teacher-forced) through SCHEDULE.
+
+    Returns, per sequence, (first position, logits rows) for every step it took part in.
+    """
+    fed = dict.fromkeys(sequences, 0)
+    results: dict[str, list[tuple[int, torch.Tensor]]] = {seq: [] for seq in sequences}
+    for prefill_slices, decoding in SCHEDULE:
+        prefills = {seq: sequences[seq][part] for seq, part in prefill_slices.items()}
+        decodes = {seq: sequences[seq][fed[seq]] for seq in decoding}
+        for seq, logits in harness.step(prefills, decodes).items():
+            results[seq].append((fed[seq], logits))
+            fed[seq] += logits.shape[0]
+    return results
+
+
+def schedule_token_counts() -> dict[str, int]:
+    """How many tokens of each sequence SCHEDULE feeds."""
+    counts = dict.fromkeys(PROMPT_LENGTHS, 0)
+    for prefill_slices, decoding in SCHEDULE:
+        for seq, part in prefill_slices.items():
+            counts[seq] += part.stop - part.start
+        for seq in decoding:
+            counts[seq] += 1
+    return counts
+
+
+def max_logits_diff(
+    results: dict[str, list[tuple[int, torch.Tensor]]], reference: dict[str, torch.Tensor]
+) -> float:
+    """Largest |ours - reference| over every position fed, reference[seq] being [seq_len, vocab]."""
+    worst = 0.0
+    for seq, chunks in results.items():
+        for start, logits in chunks:
+            expected = reference[seq][start : start + logits.shape[0]]
+            worst = max(worst, (logits - expected).abs().max().item())
+    return worst

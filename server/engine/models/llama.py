@@ -88,7 +88,7 @@ class LlamaFamilyConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -100,7 +100,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = PagedAttention(
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -128,10 +128,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -150,7 +150,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -217,6 +218,10 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(targets.keys() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def checkpoint_names(self) -> list[str]:
+        """HF names of the tensors a complete checkpoint provides (lm_head.weight only if untied)."""
+        return list(self._checkpoint_targets())
 
     def _checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter data (or slice of a fused one) it loads into."""
