@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from models_paged_harness import PagedHarness
 from pagoda.server.engine.loader import (
     ModelSource,
     default_gguf_path,
@@ -60,6 +61,14 @@ def test_dtype_choice(tiny_llama_dir):
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
     # rope tables stay fp32 whatever the weights are
     assert loaded.model.model.rotary_emb.cos.dtype == torch.float32
+    # bf16 runs end to end: logits (fp32) close to the fp32 model's on the same prompt
+    prompt = list(range(3, 23))
+    low = PagedHarness(loaded.model, block_size=16, num_blocks=4).step({"s": prompt}, {})["s"]
+    full = PagedHarness(load_model(tiny_llama_dir).model, block_size=16, num_blocks=4).step(
+        {"s": prompt}, {}
+    )["s"]
+    assert low.dtype == torch.float32
+    assert (low - full).abs().max().item() < 0.2 < full.abs().max().item()
 
 
 def test_default_source_is_embedded_smollm2():
