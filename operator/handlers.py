@@ -88,15 +88,23 @@ async def _observe(owner: render.Owner, logger: kopf.Logger, apply_error: str | 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, memo: kopf.Memo, logger: kopf.Logger,
                     **_: Any) -> None:
+    try:
+        await _reconcile(body, dict(spec), meta.get("generation", 0), memo, logger)
+    except Exception:
+        metrics.RECONCILES.labels("error").inc()
+        raise
+    metrics.RECONCILES.labels("success").inc()
+
+
+async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, memo: kopf.Memo,
+                     logger: kopf.Logger) -> None:
     owner = render.Owner.of(body)
-    defaulted = crd.with_defaults(dict(spec))
+    defaulted = crd.with_defaults(spec)
     # asked every time: the Prometheus Operator may be installed (or removed) after us
     monitors_served = await kube.serves(SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
     try:
-        desired = render.render(owner, dict(spec), default_image=CONFIG.image(),
-                                service_monitors_served=monitors_served)
+        desired = render.render(owner, spec, default_image=CONFIG.image(), service_monitors_served=monitors_served)
     except ValueError as exc:  # the schema refuses these; only an unvalidated object gets here
-        metrics.RECONCILES.labels("error").inc()
         raise kopf.PermanentError(str(exc)) from exc
     apply_error = None
     try:
@@ -109,14 +117,12 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, memo: kop
     async with _status_lock(memo):
         previous = _last_status(body, memo)
         observation = await _observe(owner, logger, apply_error)
-        new = status.compute_status(owner, defaulted, observation, generation=meta.get("generation", 0),
-                                    now=_now(), previous=previous, service_monitor_state=monitor_state)
+        new = status.compute_status(owner, defaulted, observation, generation=generation, now=_now(),
+                                    previous=previous, service_monitor_state=monitor_state)
         await _publish_status(body, memo, new, previous, logger)
     metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
     if apply_error:
-        metrics.RECONCILES.labels("error").inc()
-        raise kopf.TemporaryError(apply_error, delay=30)
-    metrics.RECONCILES.labels("success").inc()
+        raise kopf.TemporaryError(apply_error, delay=30)  # kopf retries; status says why meanwhile
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5)
