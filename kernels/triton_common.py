@@ -32,5 +32,7 @@ def upcast_dot(tensor: torch.Tensor) -> bool:
 def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation; UPCAST computes it in fp32 (see `upcast_dot`)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a, b, input_precision=PRECISION)
+    return result
