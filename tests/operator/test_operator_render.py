@@ -181,3 +181,30 @@ def test_every_pagoda_variable_is_a_pagoda_serve_flag():
     ours = {name for name in env(by_kind(rendered(spec))["Deployment"]) if name.startswith("PAGODA_")}
     user = {e["name"] for e in spec["env"]}
     assert ours - user <= flags, ours - user - flags
+
+
+def run_download(tmp_path, marker: bool):
+    """The init container's script, run here as the container would (offline: the hub is unreachable)."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "hf" / "org" / "model" / "v1"
+    if marker:
+        target.mkdir(parents=True)
+        (target / render.DOWNLOAD_MARKER).write_text("v1")
+    env = {"PAGODA_MODEL": str(target), "HF_REPO_ID": "org/model", "HF_REVISION": "v1",
+           "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", render.DOWNLOAD_SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=60)
+    return result, target
+
+
+def test_download_is_skipped_when_the_revision_is_there(tmp_path):
+    result, _ = run_download(tmp_path, marker=True)
+    assert result.returncode == 0 and "skipping download" in result.stdout
+
+
+def test_a_failed_download_leaves_no_marker(tmp_path):
+    result, target = run_download(tmp_path, marker=False)
+    assert result.returncode != 0  # the pod's init container fails: ModelDownloadFailed after restarts
+    assert not (target / render.DOWNLOAD_MARKER).exists()
