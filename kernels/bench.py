@@ -34,6 +34,9 @@ DECODE_CONTEXTS = (512, 4096, 32768)
 # The issue's target (>= 70% of copy bandwidth on an H200), and the variants timed on it.
 DECODE_TARGET = (64, 4096)
 DECODE_SWEEP = ((32, 1), (128, 1), (64, 4), (64, 8), (128, 4))
+# Prefill tiles (BLOCK_M, BLOCK_N) timed on one 4k prompt.
+PREFILL_TARGET = (1, 4096, 4096)
+PREFILL_SWEEP = ((128, 64), (128, 128), (64, 32))
 PREFILL_CASES = ((1, 512, 512), (1, 4096, 4096), (8, 2048, 2048), (1, 16384, 16384), (1, 2048, 32768))
 STORE_TOKENS = (256, 8192)
 # Decode/prefill on a cache with NaN in every unowned slot and a shared first block.
@@ -339,23 +342,8 @@ def run_full(report: Report, device, engine: bool) -> None:
     sweep_decode(report, bench, device, dtype, generator)
 
     for seqs, q_len, context in PREFILL_CASES:
-        cache = uniform_paged_cache(seqs, context, dtype, device, generator)
-        query = torch.randn(
-            seqs * q_len, NUM_HEADS, HEAD_DIM, generator=generator, device=device, dtype=dtype
-        )
-        cu = torch.arange(0, seqs + 1, device=device, dtype=torch.int32) * q_len
-        name = f"{seqs} x {q_len} new" + ("" if q_len == context else f" after {context - q_len} cached")
-        check_prefill(report, name, backend, cache, query, cu)
-        seconds = bench(
-            lambda c=cache, q=query, cu=cu: backend.paged_prefill_attention(
-                q, c.k_cache, c.v_cache, cu, c.context_lens, c.block_tables, HEAD_DIM**-0.5
-            )
-        )
-        pairs = seqs * (q_len * context - q_len * (q_len - 1) // 2)  # causal (query, key) pairs
-        flops = 4 * HEAD_DIM * NUM_HEADS * pairs
-        moved = 2 * seqs * context * NUM_KV_HEADS * HEAD_DIM * element + 2 * query.numel() * element
-        report.timings.append(timing("prefill", name, seconds, moved, report, flops=flops))
-        del cache, query
+        time_prefill(report, bench, device, dtype, generator, backend, seqs, q_len, context)
+    sweep_prefill(report, bench, device, dtype, generator)
 
     if engine:
         torch.cuda.empty_cache()
@@ -381,6 +369,38 @@ def sweep_decode(report: Report, bench, device, dtype, generator) -> None:
         check_decode(report, name, variant, cache, query, rows=checked_rows(batch))
         seconds = bench(lambda v=variant: v.paged_decode_attention(*args))
         report.timings.append(timing("decode", name, seconds, kv_bytes, report))
+
+
+def sweep_prefill(report: Report, bench, device, dtype, generator) -> None:
+    """One prompt under other tile shapes, to tune the prefill defaults from."""
+    import torch
+    from pagoda.kernels.triton_backend import TritonBackend
+
+    for block_m, block_n in PREFILL_SWEEP:
+        variant = TritonBackend(prefill_block_m=block_m, prefill_block_n=block_n)
+        time_prefill(report, bench, device, dtype, generator, variant, *PREFILL_TARGET,
+                     label=f", sweep: tiles {block_m}x{block_n}")  # fmt: skip
+    torch.cuda.empty_cache()
+
+
+def time_prefill(report, bench, device, dtype, generator, backend, seqs, q_len, context, label="") -> None:
+    import torch
+
+    element = torch.finfo(dtype).bits // 8
+    cache = uniform_paged_cache(seqs, context, dtype, device, generator)
+    query = torch.randn(seqs * q_len, NUM_HEADS, HEAD_DIM, generator=generator, device=device, dtype=dtype)
+    cu = torch.arange(0, seqs + 1, device=device, dtype=torch.int32) * q_len
+    name = f"{seqs} x {q_len} new" + ("" if q_len == context else f" after {context - q_len} cached") + label
+    check_prefill(report, name, backend, cache, query, cu)
+    seconds = bench(
+        lambda: backend.paged_prefill_attention(
+            query, cache.k_cache, cache.v_cache, cu, cache.context_lens, cache.block_tables, HEAD_DIM**-0.5
+        )
+    )
+    pairs = seqs * (q_len * context - q_len * (q_len - 1) // 2)  # causal (query, key) pairs
+    flops = 4 * HEAD_DIM * NUM_HEADS * pairs
+    moved = 2 * seqs * context * NUM_KV_HEADS * HEAD_DIM * element + 2 * query.numel() * element
+    report.timings.append(timing("prefill", name, seconds, moved, report, flops=flops))
 
 
 def timing(

@@ -21,6 +21,7 @@ def tiny_bench(monkeypatch):
         "DECODE_SWEEP": ((32, 1), (16, 2)), "PREFILL_CASES": ((2, 20, 20), (1, 12, 50)),
         "STORE_TOKENS": (5,), "CHECKED_ROWS": 8, "ENGINE_BATCHES": (2,), "ENGINE_PROMPT": 12,
         "ENGINE_STEPS": 3, "POISONED_LENS": [10, 30],
+        "PREFILL_TARGET": (1, 12, 20), "PREFILL_SWEEP": ((32, 16),),
         "ENGINE_MODEL": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128),
     }.items():  # fmt: skip
@@ -39,7 +40,8 @@ def test_bench_full_mode_runs_every_path(tiny_bench, tmp_path):
     assert report.passed, [c for c in report.checks if not c["ok"]]
     kernels = {t["kernel"] for t in report.timings}
     assert kernels == {"store_kv", "decode", "prefill"}
-    assert any("sweep" in t["case"] for t in report.timings)
+    assert any("sweep" in t["case"] for t in report.timings if t["kernel"] == "decode")
+    assert any("sweep" in t["case"] for t in report.timings if t["kernel"] == "prefill")
     assert all("tflops" in t for t in report.timings if t["kernel"] == "prefill")
     if report.engine:
         assert report.engine[0]["decode_steps"] >= 1
