@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 
 HELP = "Run the Kubernetes operator for InferenceService resources (kopf)."
 
@@ -19,11 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peering.add_argument("--peering", metavar="NAME",
                          help="kopf peering object: of several replicas only one acts at a time")
     peering.add_argument("--standalone", action="store_true", help="no peering (one replica only)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority; default: random, so the highest of the replicas acts and "
+                             "the others wait (kopf pauses every operator when the top priority is shared)")
     parser.add_argument("--status-interval", type=float, default=10.0,
                         help="seconds between status refreshes of each InferenceService")
     parser.add_argument("--server-image", default="",
                         help="default serving image (else env PAGODA_SERVER_IMAGE)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def peering_priority(args: argparse.Namespace) -> int:
+    if args.priority is not None:
+        return args.priority
+    return random.randint(1, 2**31 - 1) if args.peering else 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,5 +54,6 @@ def main(args: argparse.Namespace) -> int:
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
         standalone=args.standalone or None,
         peering_name=args.peering,
+        priority=peering_priority(args),
     )
     return 0

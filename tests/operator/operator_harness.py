@@ -19,6 +19,7 @@ import kmock
 import kopf
 import kubernetes.config.kube_config
 import yaml
+from kopf._core.engines.peering import Identity
 from pagoda.operator import crd, handlers
 from support.kube_emulator import declare_builtin_resources, declare_crd
 
@@ -91,7 +92,8 @@ async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: fl
 
 @contextlib.asynccontextmanager
 async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] | None = None,
-                           liveness: str | None = None) -> AsyncIterator[None]:
+                           liveness: str | None = None, identity: str = "operator-0",
+                           priority: int = 0) -> AsyncIterator[None]:
     """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it (or with
     `--namespace=NS` for each of `namespaces`), in its own thread.
 
@@ -105,6 +107,7 @@ async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] 
         try:
             asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
                                       peering_name=PEERING, liveness_endpoint=liveness,
+                                      identity=Identity(identity), priority=priority,
                                       stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)

@@ -40,6 +40,7 @@ def test_main_runs_kopf_with_the_parsed_settings(monkeypatch):
     assert cli.main(["operator", "--namespace=ml", "--peering=pagoda", "--status-interval=3"]) == 0
     assert seen["namespaces"] == ["ml"] and seen["clusterwide"] is False
     assert seen["peering_name"] == "pagoda" and seen["standalone"] is None
+    assert seen["priority"] > 0  # random: two replicas never share the top priority (kopf would pause both)
     assert seen["liveness_endpoint"] == "http://0.0.0.0:8080/healthz" and seen["metrics"] == 8081
     assert handlers.CONFIG.status_interval == 3
 

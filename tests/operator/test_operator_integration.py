@@ -29,6 +29,7 @@ from operator_harness import (
     running_operator,
     server_pod,
     set_deployment_status,
+    settled,
 )
 from pagoda.operator import render
 from prometheus_client import REGISTRY
@@ -197,3 +198,20 @@ async def test_liveness_endpoint(k8s, unused_tcp_port):
     url = f"http://127.0.0.1:{unused_tcp_port}/healthz"
     async with running_operator(k8s, liveness=url), aiohttp.ClientSession() as session, session.get(url) as resp:
         assert resp.status == 200
+
+
+async def test_peering_lets_only_the_highest_priority_replica_act(k8s):
+    def applies() -> int:
+        return sum(1 for r in list(k8s) if r.method == "PATCH" and r.resource == DEP_RESOURCE
+                   and r.params.get("fieldManager"))
+
+    async with running_operator(k8s, identity="low", priority=10), \
+            running_operator(k8s, identity="high", priority=20):
+        peers = lambda: k8s.objects["kopf.dev/v1/clusterkopfpeerings", None, "pagoda"].get("status") or {}  # noqa: E731
+        await eventually(lambda: {"low", "high"} <= set(peers()), what="both replicas in the peering object")
+        await asyncio.sleep(0.5)  # the low one has read the peering object and paused
+        await create(k8s, isvc())
+        await eventually(lambda: live(k8s, DEP, "llm"))
+        await settled(k8s)
+        assert applies() == 1  # one reconcile: a second acting replica would have applied again
+    # (when "high" stops first, "low" resumes and re-applies: correct, and not counted above)
