@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagoda.server.engine.async_engine import EngineDeadError
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.protocol import APIError, bad_request, error_from_validation
 
@@ -94,6 +95,13 @@ async def generate_all(
             raise
         except ValueError as exc:  # validation, before anything was scheduled
             queue.put_nowait((index, error_from_validation(exc)))
+            return
+        except EngineDeadError:
+            tracker.finish("error")
+            dead = APIError(
+                503, "The engine loop is not running.", type="service_unavailable", code="engine_dead"
+            )
+            queue.put_nowait((index, dead))
             return
         except Exception as exc:
             tracker.finish("error")

@@ -49,8 +49,12 @@ async def test_client_disconnect_aborts_and_frees_blocks(server):
                 server.url + "/v1/completions", json=LONG, timeout=aiohttp.ClientTimeout(total=0.3)
             )
     await wait_until(lambda: finished(server, "abort") == aborted_before + 4)
-    stats = server.stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+
+    def idle() -> bool:  # the engine drops aborted requests at its next loop turn
+        stats = server.stats()
+        return (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+
+    await wait_until(idle)
     assert server.state.in_flight == 0
 
 
@@ -105,3 +109,12 @@ async def test_probes_while_the_model_loads(http_request):
         assert results[2].json()["error"]["code"] == "loading"
     finally:
         await server.drain_and_stop(timeout=0)
+
+
+async def test_dead_engine_loop_fails_liveness_and_answers_503(start_server, http_request):
+    server = start_server()
+    await asyncio.to_thread(server.call, server.state.engine.shutdown())  # the step-loop thread ends
+    health = await asyncio.to_thread(http_request, server.url, "GET", "/health")
+    assert health.status == 503 and "not running" in health.json()["status"]
+    refused = await asyncio.to_thread(http_request, server.url, "POST", "/v1/completions", {"prompt": "x"})
+    assert refused.status == 503 and refused.json()["error"]["code"] == "engine_dead"
