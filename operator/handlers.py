@@ -49,6 +49,10 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # our own Events say what matters; no "handler succeeded"
+    # Watches end server-side every 5 minutes and are re-listed: a silently dead connection cannot
+    # leave the operator blind for longer than that.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
 
 
 LAST_STATUS, STATUS_LOCK = "pagoda_last_status", "pagoda_status_lock"  # keys in kopf's per-object memo

@@ -20,8 +20,9 @@ our operators depend on:
 - no-op writes (a patch or apply that changes nothing) store no new version and send no watch event.
 
 Not emulated: schema validation/defaulting, strategic-merge of lists, field-ownership conflicts between
-managers, controllers (no Deployment makes Pods: tests create Pods themselves), PUT, fieldSelector,
-admission, RBAC (the requests are recorded, so a test can check them against a Role).
+managers, resourceVersion preconditions (optimistic locking), status stripped on create, controllers
+(no Deployment makes Pods: tests create Pods themselves), PUT, fieldSelector, watch timeouts and
+bookmarks, admission, RBAC (the requests are recorded, so a test can check them against a Role).
 """
 
 from __future__ import annotations
