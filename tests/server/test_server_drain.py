@@ -68,3 +68,14 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_dir, tmp_pa
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "draining 1 in-flight requests" in text and "stopped (drained)" in text
+
+
+def test_a_model_that_cannot_load_exits_1(tmp_path):
+    """The pod restarts (CrashLoopBackOff shows why) instead of idling unready forever."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tmp_path / "missing"), "--host", "127.0.0.1",
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "model failed to load" in result.stderr and "missing" in result.stderr
