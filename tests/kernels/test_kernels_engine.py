@@ -3,9 +3,6 @@
 from collections import Counter
 
 import pytest
-
-pytest.importorskip("pagoda.server.engine.llm")
-
 from pagoda.kernels.triton_backend import TritonBackend
 from pagoda.server.engine.llm import LLM
 from pagoda.server.engine.loader import load_model
