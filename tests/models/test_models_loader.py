@@ -59,8 +59,8 @@ def test_dtype_choice(tiny_llama_dir):
     loaded = load_model(tiny_llama_dir, dtype="bfloat16")
     assert loaded.model.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
-    # rope tables stay fp32 whatever the weights are
-    assert loaded.model.model.rotary_emb.cos.dtype == torch.float32
+    # rope frequencies stay fp32 whatever the weights are
+    assert loaded.model.model.rotary_emb.inv_freq.dtype == torch.float32
     # bf16 runs end to end: logits (fp32) close to the fp32 model's on the same prompt
     prompt = list(range(3, 23))
     low = PagedHarness(loaded.model, block_size=16, num_blocks=4).step({"s": prompt}, {})["s"]

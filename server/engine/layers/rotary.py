@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default and llama3-scaled frequencies, cos/sin cached per position."""
+"""Rotary position embeddings: default and llama3-scaled frequencies."""
 
 from __future__ import annotations
 
@@ -58,20 +58,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to packed q [T, H, D] and k [T, KVH, D] at the given absolute positions."""
+    """cos/sin of each token's rotation angles, computed per step from its positions (as transformers
+    does, so the values match bit for bit and no position bound is baked into a table)."""
 
-    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(params, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        # Kept in fp32 whatever the model dtype; cast per call like transformers does.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(params, head_dim), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (cos, sin), each [num_tokens, head_dim]."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate packed q [T, H, D] and k [T, KVH, D]; cos/sin are cast to q's dtype like transformers."""
+    cos = cos.to(q.dtype)[:, None, :]
+    sin = sin.to(q.dtype)[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

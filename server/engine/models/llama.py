@@ -18,12 +18,13 @@ from pagoda.server.engine.layers.embedding import LMHead, VocabEmbedding
 from pagoda.server.engine.layers.linear import MergedLinear
 from pagoda.server.engine.layers.mlp import GatedMLP
 from pagoda.server.engine.layers.norm import RMSNorm
-from pagoda.server.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from pagoda.server.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class LlamaFamilyConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -100,7 +101,6 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = PagedAttention(
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -111,7 +111,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
@@ -122,27 +122,27 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = self.attn(q, k, v, attn_metadata, kv_cache)
         return self.o_proj(out.flatten(1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata, kv_cache)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attn_metadata, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -150,8 +150,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_layers))
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -162,8 +162,9 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, attn_metadata, kv_cache)
+            hidden = layer(rope, hidden, attn_metadata, kv_cache)
         return self.norm(hidden)
 
 
