@@ -215,3 +215,46 @@ async def test_peering_lets_only_the_highest_priority_replica_act(k8s):
         await settled(k8s)
         assert applies() == 1  # one reconcile: a second acting replica would have applied again
     # (when "high" stops first, "low" resumes and re-applies: correct, and not counted above)
+
+
+async def test_pagoda_operator_process_serves_health_metrics_and_reconciles(k8s, unused_tcp_port_factory):
+    """The real `pagoda operator` command in its own process, logging in through the kubeconfig."""
+    import os
+    import signal
+    import sys
+
+    health, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pagoda.cli", "operator", "--all-namespaces", "--standalone",
+        f"--health-port={health}", f"--metrics-port={metrics_port}", "--status-interval=0.5",
+        env={**os.environ, "PAGODA_SERVER_IMAGE": "registry.test/from-env:1"},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def ok(url: str) -> str | None:
+                try:
+                    async with session.get(url) as resp:
+                        return await resp.text() if resp.status == 200 else None
+                except aiohttp.ClientError:
+                    return None
+
+            async def wait_ok(url: str) -> str:
+                for _ in range(200):
+                    if (text := await ok(url)) is not None:
+                        return text
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"{url} never answered 200")
+
+            await wait_ok(f"http://127.0.0.1:{health}/healthz")
+            await eventually(lambda: any(r.action == kmock.action.WATCH and r.resource == kmock.resource(CR)
+                                         for r in list(k8s)), timeout=30, what="the process watching")
+            await create(k8s, isvc())
+            dep = await eventually(lambda: live(k8s, DEP, "llm"), timeout=30, what="Deployment from the process")
+            assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/from-env:1"
+            await eventually(lambda: live(k8s, CR, "llm")["status"]["observedGeneration"] == 1)
+            text = await wait_ok(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert 'pagoda_operator_reconciles_total{result="success"} 1.0' in text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, stderr.decode()[-2000:]
