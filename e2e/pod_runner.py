@@ -1,0 +1,216 @@
+"""The stand-in for the Deployment controller + kubelet: real `pagoda serve` processes on loopback.
+
+Every `poll_s` it lists Deployments in the emulated API server and makes the number of serving
+processes match each one's `spec.replicas`:
+- start: the pod template's container command/args and `PAGODA_*` env (as a kubelet would), with
+  `--host 127.0.0.1 --port <free port>` and `PAGODA_MODEL` pointed at a local model folder; a Pod
+  object is created with the template's labels, `podIP: 127.0.0.1` and the port in the annotation
+  `serving.pagoda.dev/metrics-port` (every "pod" shares one IP here, so the port tells them apart);
+- readiness: `GET /ready` of each process becomes the Pod's Ready condition;
+- stop (newest first): first out of the front's rotation and the Pod object deleted (as endpoints
+  drop a terminating pod), then SIGTERM so the server drains its in-flight requests;
+- status: the Deployment's `status.replicas/readyReplicas/...` as the controller reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
+
+MERGE = {"Content-Type": "application/merge-patch+json"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    process: subprocess.Popen
+    ready: bool = False
+    routable: bool = True  # False once it is being stopped: the front sends it nothing new
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Workload:
+    namespace: str
+    name: str
+    replicas: list[Replica] = field(default_factory=list)
+
+
+def serve_command(container: dict[str, Any], port: int) -> list[str]:
+    """The container's `pagoda serve ...` as a local command, listening on 127.0.0.1:port."""
+    args = [*container.get("command", []), *container.get("args", [])]
+    if args[:1] == ["pagoda"]:
+        args = [sys.executable, "-m", "pagoda.cli", *args[1:]]
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--host", "--port"):
+            skip = True
+            continue
+        out.append(arg)
+    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def serve_env(container: dict[str, Any], model_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e})
+    env["PAGODA_MODEL"] = str(model_dir)  # the container's path lives on a PVC we do not have
+    # Several servers share this machine's few cores: one thread each, as a CPU limit of 1 would.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCH_NUM_THREADS="1")
+    return env
+
+
+class PodRunner:
+    def __init__(self, api_url: str, model_dir: Path, log_dir: Path, poll_s: float = 0.5,
+                 on_change: Callable[[dict[str, str]], None] | None = None) -> None:
+        """`on_change({pod name: "127.0.0.1:port"})` is called whenever the set of ready pods changes."""
+        self.api_url = api_url.rstrip("/")
+        self.on_change = on_change
+        self._last_ready: dict[str, str] = {}
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.poll_s = poll_s
+        self.workloads: dict[tuple[str, str], Workload] = {}
+        self._stopping: set[asyncio.Task] = set()
+        self._session: aiohttp.ClientSession | None = None
+
+    def ready_backends(self) -> list[str]:
+        return [r.url for w in self.workloads.values() for r in w.replicas if r.ready and r.routable]
+
+    def _notify(self) -> None:
+        ready = {r.name: f"127.0.0.1:{r.port}" for w in self.workloads.values() for r in w.replicas if r.ready}
+        if ready != self._last_ready and self.on_change:
+            self.on_change(ready)
+        self._last_ready = ready
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as self._session:
+            try:
+                while not stop.is_set():
+                    await self.sync_once()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.poll_s)
+            finally:
+                for workload in self.workloads.values():
+                    for replica in list(workload.replicas):
+                        await self._stop_replica(workload, replica)
+                await asyncio.gather(*self._stopping, return_exceptions=True)
+
+    async def _api(self, method: str, path: str, **kwargs: Any) -> Any:
+        assert self._session is not None
+        async with self._session.request(method, self.api_url + path, **kwargs) as response:
+            if response.status >= 400:
+                raise RuntimeError(f"{method} {path}: {response.status} {await response.text()}")
+            return await response.json()
+
+    async def sync_once(self) -> None:
+        deployments = (await self._api("GET", "/apis/apps/v1/deployments"))["items"]
+        seen = set()
+        for deployment in deployments:
+            meta = deployment["metadata"]
+            key = (meta["namespace"], meta["name"])
+            seen.add(key)
+            workload = self.workloads.setdefault(key, Workload(*key))
+            await self._reconcile(workload, deployment)
+        for key in set(self.workloads) - seen:  # Deployment deleted
+            workload = self.workloads.pop(key)
+            for replica in list(workload.replicas):
+                await self._stop_replica(workload, replica)
+        self._notify()
+
+    async def _reconcile(self, workload: Workload, deployment: dict[str, Any]) -> None:
+        desired = int(deployment["spec"].get("replicas", 1))
+        for replica in list(workload.replicas):
+            if replica.process.poll() is not None:  # crashed: the ReplicaSet replaces it
+                await self._stop_replica(workload, replica)
+        while len(workload.replicas) < desired:
+            await self._start_replica(workload, deployment)
+        while len(workload.replicas) > desired:
+            await self._stop_replica(workload, workload.replicas[-1])
+        for replica in workload.replicas:
+            await self._refresh_readiness(workload, replica)
+        ready = sum(r.ready for r in workload.replicas)
+        await self._api("PATCH", f"/apis/apps/v1/namespaces/{workload.namespace}/deployments/{workload.name}/status",
+                        json={"status": {"replicas": len(workload.replicas), "readyReplicas": ready,
+                                         "availableReplicas": ready, "updatedReplicas": len(workload.replicas),
+                                         "observedGeneration": deployment["metadata"].get("generation", 1)}},
+                        headers=MERGE)
+
+    async def _start_replica(self, workload: Workload, deployment: dict[str, Any]) -> None:
+        template = deployment["spec"]["template"]
+        container = template["spec"]["containers"][0]
+        name = f"{workload.name}-{uuid.uuid4().hex[:5]}"
+        port = free_port()
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
+        process = subprocess.Popen(serve_command(container, port), env=serve_env(container, self.model_dir),
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir)
+        log.close()
+        workload.replicas.append(Replica(name, port, process))
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": workload.namespace,
+                            "labels": dict(template["metadata"].get("labels", {})),
+                            "annotations": {METRICS_PORT_ANNOTATION: str(port)}},
+               "spec": template["spec"],
+               "status": {"phase": "Running", "podIP": "127.0.0.1",
+                          "conditions": [{"type": "Ready", "status": "False"}]}}
+        await self._api("POST", f"/api/v1/namespaces/{workload.namespace}/pods", json=pod)
+
+    async def _refresh_readiness(self, workload: Workload, replica: Replica) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{replica.url}/ready", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                ready = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ready = False
+        if ready != replica.ready:
+            replica.ready = ready
+            condition = {"type": "Ready", "status": "True" if ready else "False"}
+            await self._api("PATCH", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}/status",
+                            json={"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [condition]}},
+                            headers=MERGE)
+
+    async def _stop_replica(self, workload: Workload, replica: Replica) -> None:
+        replica.routable = False
+        workload.replicas.remove(replica)
+        with contextlib.suppress(RuntimeError):  # already gone
+            await self._api("DELETE", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}")
+        task = asyncio.create_task(self._terminate(replica))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    @staticmethod
+    async def _terminate(replica: Replica, grace_s: float = 40.0) -> None:
+        """SIGTERM (the server drains in-flight requests), SIGKILL after the grace period."""
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+        for _ in range(int(grace_s * 10)):
+            if replica.process.poll() is not None:
+                return
+            await asyncio.sleep(0.1)
+        replica.process.kill()
