@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from pagoda.kernels.triton_common import check_launchable
 from pagoda.kernels.triton_decode import paged_decode_attention
 from pagoda.kernels.triton_prefill import paged_prefill_attention
 from pagoda.kernels.triton_store_kv import store_kv
@@ -77,4 +78,5 @@ def _on_device(tensor: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's (multi-GPU hosts)."""
     if tensor.device.type == "cuda":
         return torch.cuda.device(tensor.device)
+    check_launchable(tensor)
     return contextlib.nullcontext()

@@ -36,3 +36,15 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         result = tl.dot(a, b, input_precision=PRECISION)
     return result
+
+
+def check_launchable(tensor: torch.Tensor) -> None:
+    """Compiled kernels need CUDA tensors; CPU tensors need the interpreter, which Triton binds at
+    import time. Fail with the fix instead of an opaque pointer error from the launcher."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if tensor.device.type != "cuda" and not isinstance(dot, InterpretedFunction):
+        raise RuntimeError(
+            f"Triton kernels got {tensor.device.type} tensors: set TRITON_INTERPRET=1 before triton is "
+            "first imported to run them on the CPU, or use PAGODA_ATTENTION_BACKEND=torch"
+        )

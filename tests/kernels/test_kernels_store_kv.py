@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from pagoda.kernels.testing import make_paged_kv
@@ -47,3 +51,18 @@ def test_store_kv_casts_to_cache_dtype(reference, generator):
     # nearest even.
     for actual, expected in ((cache.k_cache, expected_k), (cache.v_cache, expected_v)):
         torch.testing.assert_close(actual, expected, rtol=2**-7, atol=0, equal_nan=True)
+
+
+def test_cpu_tensors_without_the_interpreter_fail_with_the_fix():
+    script = (
+        "import torch\n"
+        "from pagoda.kernels.triton_backend import TritonBackend\n"
+        "x = torch.zeros(1, 1, 16)\n"
+        "TritonBackend().store_kv(x, x, torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16), torch.zeros(1, dtype=torch.long))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    assert "TRITON_INTERPRET=1" in result.stderr
