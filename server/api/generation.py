@@ -116,19 +116,28 @@ async def generate_all(
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, APIError):
-                raise item
-            elif isinstance(item, BaseException):
-                raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
-            else:
-                yield index, item
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            # Snapshots are cumulative: when the client falls behind, send only the newest per prompt.
+            newest = {index: position for position, (index, item) in enumerate(batch) if _is_snapshot(item)}
+            for position, (index, item) in enumerate(batch):
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, APIError):
+                    raise item
+                elif isinstance(item, BaseException):
+                    raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
+                elif newest[index] == position:
+                    yield index, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _is_snapshot(item: Any) -> bool:
+    return item is not _DONE and not isinstance(item, BaseException)
 
 
 def usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
