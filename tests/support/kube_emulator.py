@@ -14,6 +14,7 @@ our operators depend on:
   requires `fieldManager`, and removes fields the same manager applied before but no longer applies
   (maps only; lists are atomic, as for most lists without a merge key);
 - `labelSelector` filtering on list and watch (=, ==, !=, in, notin, exists, !exists);
+- list resourceVersions, and watches from them that do not replay what the list already returned;
 - parsing of `/api/v1/namespaces[/name]` (kmock 0.8 fails on it: kopf lists namespaces when it serves
   only some of them);
 - garbage collection: objects whose owners (ownerReferences uids) are all gone are deleted;
@@ -164,11 +165,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
     """kmock's emulator with server-assigned metadata, subresources, apply, selectors and GC."""
 
     _resource_versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_rv: int = attrs.field(default=0, init=False)
     # (resource, namespace, name, field manager) → the last configuration that manager applied
     _applied: dict[tuple[Any, str | None, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
 
     def _next_rv(self) -> str:
-        return str(next(self._resource_versions))
+        self._last_rv = next(self._resource_versions)
+        return str(self._last_rv)
 
     def _has_subresource(self, resource: Any, subresource: str) -> bool:
         return resource in self.resources and subresource in self.resources[resource].subresources
@@ -293,16 +296,26 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         result = await super()._serve_list(request)
+        result["metadata"]["resourceVersion"] = str(self._last_rv)  # kmock answers "..."
         if selector := _selector_of(request):
             result["items"] = [item for item in result["items"]
                                if labels_match(selector, item.get("metadata", {}).get("labels") or {})]
         return result
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        """kmock replays every object as ADDED when a watch starts; a watch from a list's
+        resourceVersion gets only what is newer, as from the real API server."""
         selector = _selector_of(request)
+        since = request.params.get("resourceVersion", "")
         async for event in super()._serve_watch(request):
-            if not selector or not isinstance(event, dict) or labels_match(
-                    selector, event.get("object", {}).get("metadata", {}).get("labels") or {}):
+            if not isinstance(event, dict):
+                yield event
+                continue
+            meta = event.get("object", {}).get("metadata", {})
+            replayed = (event.get("type") == "ADDED" and since.isdigit()
+                        and str(meta.get("resourceVersion", "")).isdigit()
+                        and int(meta["resourceVersion"]) <= int(since))
+            if not replayed and (not selector or labels_match(selector, meta.get("labels") or {})):
                 yield event
 
 
