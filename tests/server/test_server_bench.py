@@ -52,7 +52,7 @@ def test_bench_serve_against_the_server(server, tiny_dir, tmp_path, capsys):
 def test_bench_sweep_over_chat_with_offline_ratio(server, tiny_dir, capsys):
     code = pagoda(
         ["bench", "serve", "--base-url", server.url + "/v1", "--endpoint", "chat", "--num-prompts", "2,6",
-         "--max-concurrency", "1,3", "--input-len", "12", "--output-len", "6", "--no-progress", "--offline",
+         "--max-concurrency", "1,3", "--repeats", "2", "--input-len", "12", "--output-len", "6", "--no-progress", "--offline",
          "--offline-model", str(tiny_dir), "--offline-kv-cache-memory", "8MiB"]
     )  # fmt: skip
     assert code == 0
