@@ -446,6 +446,8 @@ def measure_matmul_tflops(bench, device) -> float:
 def time_engine_decode(report: Report, device) -> None:
     """Median engine step time once every sequence is decoding, on a random-weight 1B-class Llama."""
     try:
+        import tokenizers  # noqa: F401  (the random model's tokenizer)
+        import transformers  # noqa: F401
         from pagoda.server.engine.config import EngineArgs
         from pagoda.server.engine.llm_engine import LLMEngine
         from pagoda.server.engine.loader import load_model
