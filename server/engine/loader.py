@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -182,12 +183,12 @@ def _load_hf_folder(source: ModelSource, dtype: torch.dtype, device: torch.devic
 
 
 class _GgufNameMap:
-    """The two things transformers' GGUF tensor-name mapping reads off a model: its config and its
-    state-dict names. Standing in for a built transformers model saves building one (and mapping
-    names for every submodule, which costs seconds)."""
+    """What transformers' GGUF tensor-name mapping reads off a model: config.model_type,
+    config.num_hidden_layers and the state-dict names. Standing in for a built transformers model
+    saves building one and mapping names for each of its submodules (seconds)."""
 
-    def __init__(self, config: Any, names: list[str]) -> None:
-        self.config = config
+    def __init__(self, model_type: str, num_layers: int, names: list[str]) -> None:
+        self.config = SimpleNamespace(model_type=model_type, num_hidden_layers=num_layers)
         self._names = names
 
     def state_dict(self) -> dict[str, None]:
@@ -197,28 +198,43 @@ class _GgufNameMap:
         return iter(())
 
 
+def _gguf_architecture(path: Path) -> tuple[str, int]:
+    """(GGUF architecture, e.g. "llama", and its layer count) from the header alone."""
+    try:
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+    except ImportError:  # older transformers: the full (slower) config parse
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return config.model_type, config.num_hidden_layers
+    metadata, _ = read_gguf_metadata(str(path))
+    architecture = metadata["general.architecture"]
+    return architecture, int(metadata[f"{architecture}.block_count"])
+
+
 def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoConfig, AutoTokenizer
+    """One pass of transformers' dequantizing GGUF reader (the one from_pretrained(gguf_file=...) uses,
+    q/k un-permutation included) gives the config and the weights."""
+    from pagoda.server.engine.models.llama import hf_tensor_names
+    from transformers import AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    folder, file = source.path.parent, source.path.name
-    hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    # GGUF metadata names no `architectures`; the model type does (llama -> LlamaForCausalLM, ...).
-    if not getattr(hf_config, "architectures", None):
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "")]
-    model = build_model(hf_config, dtype, device)
-    # The same dequantizing reader (and q/k un-permutation) from_pretrained(gguf_file=...) uses.
-    names = [*model.checkpoint_names(), "lm_head.weight"]
+    architecture, num_layers = _gguf_architecture(source.path)
     parsed = load_gguf_checkpoint(
         str(source.path),
         return_tensors=True,
-        model_to_load=_GgufNameMap(hf_config, names),
+        model_to_load=_GgufNameMap(architecture, num_layers, hf_tensor_names(num_layers)),
         torch_dtype=torch.float32,
     )
+    config_dict = parsed["config"]
+    hf_config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+    # GGUF metadata names no `architectures`; the model type does (llama -> LlamaForCausalLM, ...).
+    hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "")]
+    model = build_model(hf_config, dtype, device)
     model.load_weights(parsed["tensors"].items())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
     return model, hf_config, tokenizer, None
 
 

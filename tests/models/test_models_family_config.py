@@ -9,7 +9,7 @@ import torch
 from models_paged_harness import PagedHarness
 from pagoda.server.engine.layers.rotary import rope_parameters
 from pagoda.server.engine.loader import load_model
-from pagoda.server.engine.models.llama import LlamaFamilyConfig
+from pagoda.server.engine.models.llama import LlamaFamilyConfig, hf_tensor_names
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 EXPECTED = {  # family: (qkv_bias, o_proj_bias, qk_norm, tied, num_kv_heads, head_dim, windows, rope_type)
@@ -35,6 +35,13 @@ def test_family_switches(tiny_family_dir):
         cfg.rope["rope_type"],
     )
     assert got == EXPECTED[family]
+
+
+def test_tensor_name_superset_covers_every_family(tiny_family_dir):
+    """The GGUF name mapping is built from `hf_tensor_names`; it must cover each family's tensors."""
+    _family, path = tiny_family_dir
+    model = load_model(path).model
+    assert set(model._checkpoint_targets()) <= set(hf_tensor_names(model.num_layers))
 
 
 def test_legacy_rope_config_is_read():

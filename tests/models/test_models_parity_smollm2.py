@@ -61,6 +61,10 @@ def test_weights_are_transformers_dequantized_weights(smollm2):
     state = reference.state_dict()
     assert set(targets) == set(state) - {"lm_head.weight"}  # tied to the embedding
     assert all(torch.equal(targets[name], state[name]) for name in targets)
+    ignore = {"_name_or_path", "architectures", "dtype", "quantization_config"}  # set by the load itself
+    ours_config = {k: v for k, v in ours.hf_config.to_dict().items() if k not in ignore}
+    assert ours_config == {k: v for k, v in reference.config.to_dict().items() if k not in ignore}
+    assert ours.hf_config.architectures == ["LlamaForCausalLM"]
     assert ours.name == "SmolLM2-135M-Instruct"
     assert ours.max_model_len == 8192
     assert ours.eos_token_ids == {ours.tokenizer.convert_tokens_to_ids("<|im_end|>")}

@@ -220,10 +220,6 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
-    def checkpoint_names(self) -> list[str]:
-        """HF names of the tensors a complete checkpoint provides (lm_head.weight only if untied)."""
-        return list(self._checkpoint_targets())
-
     def _checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter data (or slice of a fused one) it loads into."""
         targets: dict[str, torch.Tensor] = {}
@@ -237,6 +233,23 @@ class LlamaForCausalLM(nn.Module):
                 elif not (module is self.lm_head and self.cfg.tie_word_embeddings):
                     targets[prefix + kind] = param.data
         return targets
+
+
+def hf_tensor_names(num_layers: int) -> list[str]:
+    """Every HF tensor name a Llama-family checkpoint of `num_layers` layers can hold (a superset:
+    biases and q/k norms exist only in some families)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        *(f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")),
+        *(f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in ("weight", "bias")),
+    ]
+    for i in range(num_layers):
+        names += [f"model.layers.{i}.{name}" for name in per_layer]
+    return names
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
