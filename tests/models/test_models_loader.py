@@ -132,3 +132,18 @@ def test_bad_checkpoints_give_clear_errors(tiny_llama_dir, tmp_path):
     (unsupported / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not supported"):
         load_model(unsupported)
+
+
+def test_hub_id_resolves_from_local_cache_only(tiny_llama_dir, tmp_path, monkeypatch):
+    """`org/name` and `hf://org/name` resolve to a snapshot already in the HF cache (no network)."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--acme--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_llama_dir, snapshot)
+    (tmp_path / "models--acme--tiny-llama" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    for model_id in ("acme/tiny-llama", "hf://acme/tiny-llama"):
+        assert resolve_model_source(model_id) == ModelSource("hf", snapshot, "tiny-llama")
+    with pytest.raises(ValueError, match="never downloads"):
+        resolve_model_source("acme/not-cached")
