@@ -116,6 +116,8 @@ class ServerState:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation request is in flight; False if `timeout` passed first."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
