@@ -66,10 +66,12 @@ def _string_map(description: str) -> dict[str, Any]:
     return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
 
 
-MODEL = _obj("The model to serve.", {
+MODEL = _obj("The model to serve (`{}`: the serving image's embedded SmolLM2-135M-Instruct).", {
     "uri": _str("Where the weights are: hf://org/name[@revision] (downloaded once into the weight "
                 "cache PVC), pvc://claim/path (an existing claim, mounted read-only) or file:///path "
-                "(baked into the image).", pattern=MODEL_URI_PATTERN, maxLength=512),
+                "(baked into the image). Absent: the model embedded in the serving image "
+                "(SmolLM2-135M-Instruct, GGUF; nothing to download or mount).",
+                pattern=MODEL_URI_PATTERN, maxLength=512),
     "servedName": _str("The model name clients send (OpenAI `model`). Default: the last part of the uri.",
                        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", maxLength=128),
     "hfTokenSecretRef": _obj("A Secret key holding a Hugging Face token (gated models); hf:// only. "
@@ -78,8 +80,8 @@ MODEL = _obj("The model to serve.", {
                                               maxLength=253),
                                  "key": _str("Key in the Secret.", default="token", maxLength=253),
                              }, required=["name"]),
-}, required=["uri"], **{"x-kubernetes-validations": [
-    {"rule": "!has(self.hfTokenSecretRef) || self.uri.startsWith('hf://')",
+}, **{"x-kubernetes-validations": [
+    {"rule": "!has(self.hfTokenSecretRef) || (has(self.uri) && self.uri.startsWith('hf://'))",
      "message": "hfTokenSecretRef is only used with hf:// model uris"},
 ]})
 

@@ -48,8 +48,8 @@ class Owner:
 class ModelSource:
     """Where the server reads the weights, and whether the operator makes and fills a PVC for them."""
 
-    scheme: str  # hf | pvc | file
-    model_path: str  # PAGODA_MODEL inside the container
+    scheme: str  # hf | pvc | file | embedded
+    model_path: str | None  # PAGODA_MODEL inside the container; None: the image's embedded default
     claim: str | None = None  # the PVC mounted at /models
     repo_id: str | None = None  # hf:// only
     revision: str | None = None  # hf:// only
@@ -57,6 +57,14 @@ class ModelSource:
     @property
     def downloads(self) -> bool:
         return self.scheme == "hf"
+
+
+# No uri: `pagoda serve` without --model serves the model the serving image embeds (SmolLM2-135M).
+EMBEDDED_MODEL = ModelSource("embedded", None)
+
+
+def model_source(model: dict[str, Any], owner_name: str) -> ModelSource:
+    return parse_model_uri(model["uri"], owner_name) if model.get("uri") else EMBEDDED_MODEL
 
 
 def parse_model_uri(uri: str, owner_name: str) -> ModelSource:
@@ -78,10 +86,13 @@ def weights_claim(name: str) -> str:
     return f"{name}-weights"
 
 
-def served_name(spec: dict[str, Any]) -> str:
-    """The OpenAI model name: spec.model.servedName, else the uri's last path part without @revision."""
+def served_name(spec: dict[str, Any]) -> str | None:
+    """The OpenAI model name: spec.model.servedName, else the uri's last path part without @revision;
+    None for the embedded model (the server names it after the model)."""
     if spec["model"].get("servedName"):
         return spec["model"]["servedName"]
+    if not spec["model"].get("uri"):
+        return None
     return spec["model"]["uri"].split("://", 1)[1].split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -256,7 +267,7 @@ def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> d
 
 
 def pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
-    source = parse_model_uri(spec["model"]["uri"], owner.name)
+    source = model_source(spec["model"], owner.name)
     resources = spec["resources"]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
@@ -364,7 +375,7 @@ def render(owner: Owner, raw_spec: dict[str, Any], *, default_image: str,
     """All children for `raw_spec` (defaulted here with the CRD's own defaults)."""
     spec = crd.with_defaults(raw_spec)
     image = spec.get("image") or default_image
-    source = parse_model_uri(spec["model"]["uri"], owner.name)
+    source = model_source(spec["model"], owner.name)
     objects: list[dict[str, Any]] = []
     absent: list[tuple[ChildKind, str]] = []
     if source.downloads:

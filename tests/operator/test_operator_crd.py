@@ -82,6 +82,8 @@ def test_cel_rules_accept_their_edge_cases():
                        "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 3}}) == []
     assert cel_errors({"model": {"uri": "hf://o/m", "hfTokenSecretRef": {"name": "s"}}}) == []
     assert cel_errors({"model": {"uri": "hf://o/m"}, "autoscaling": {"enabled": False}}) == []
+    assert cel_errors({"model": {}}) == []  # no uri: the embedded model
+    assert cel_errors({"model": {"hfTokenSecretRef": {"name": "s"}}}) != []  # a token, nothing to download
 
 
 @pytest.mark.parametrize(("uri", "ok"), [

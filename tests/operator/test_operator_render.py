@@ -183,6 +183,31 @@ def test_every_pagoda_variable_is_a_pagoda_serve_flag():
     assert ours - user <= flags, ours - user - flags
 
 
+def test_no_model_uri_serves_the_embedded_model_on_cpu(monkeypatch):
+    """examples/cpu-smollm2.yaml: no uri, no GPU. `pagoda serve` gets no PAGODA_MODEL, so its own
+    parser (fed the rendered env) falls back to the embedded SmolLM2 the serving image installs."""
+    import argparse
+
+    from pagoda.server import serve_cli
+    from pagoda.server.engine.loader import resolve_model_source
+
+    children = by_kind(rendered(example_spec("cpu-smollm2")))
+    assert set(children) == {"Deployment", "Service", "ServiceMonitor"}  # no weights PVC, one replica
+    pod = children["Deployment"]["spec"]["template"]["spec"]
+    assert "initContainers" not in pod and "models" not in {v["name"] for v in pod["volumes"]}
+    container = server(children["Deployment"])
+    assert all("gpu" not in name for part in container["resources"].values() for name in part)
+    variables = {e["name"]: e["value"] for e in container["env"]}
+    assert "PAGODA_MODEL" not in variables and "PAGODA_SERVED_MODEL_NAME" not in variables
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.model, args.dtype, args.kv_cache_memory) == (None, "float32", 256 << 20)
+    assert resolve_model_source(args.model).name == "SmolLM2-135M-Instruct"
+
+
 def run_download(tmp_path, marker: bool):
     """The init container's script, run here as the container would (offline: the hub is unreachable)."""
     import subprocess
