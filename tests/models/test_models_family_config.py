@@ -41,7 +41,7 @@ def test_tensor_name_superset_covers_every_family(tiny_family_dir):
     """The GGUF name mapping is built from `hf_tensor_names`; it must cover each family's tensors."""
     _family, path = tiny_family_dir
     model = load_model(path).model
-    assert set(model._checkpoint_targets()) <= set(hf_tensor_names(model.num_layers))
+    assert set(model.checkpoint_targets()) <= set(hf_tensor_names(model.num_layers))
 
 
 def test_legacy_rope_config_is_read():

@@ -57,7 +57,7 @@ def _sequences(tokenizer) -> dict[str, list[int]]:
 
 def test_weights_are_transformers_dequantized_weights(smollm2):
     ours, reference = smollm2
-    targets = ours.model._checkpoint_targets()
+    targets = ours.model.checkpoint_targets()
     state = reference.state_dict()
     assert set(targets) == set(state) - {"lm_head.weight"}  # tied to the embedding
     assert all(torch.equal(targets[name], state[name]) for name in targets)

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to each parameter's dtype); every parameter must be set."""
-        targets = self._checkpoint_targets()
+        targets = self.checkpoint_targets()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name:
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
-    def _checkpoint_targets(self) -> dict[str, torch.Tensor]:
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter data (or slice of a fused one) it loads into."""
         targets: dict[str, torch.Tensor] = {}
         for module_name, module in self.named_modules():
