@@ -53,12 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-replicas", type=int, default=2)
     p.add_argument("--interval", type=int, default=2, help="autoscaler intervalSeconds")
     p.add_argument("--down-window", type=int, default=20, help="scaleDownStabilizationSeconds")
-    p.add_argument("--load-seconds", type=float, default=60.0)
-    p.add_argument("--overload", type=float, default=1.3,
+    p.add_argument("--load-seconds", type=float, default=45.0)
+    p.add_argument("--overload", type=float, default=1.5,
                    help="load rate as a multiple of one server's measured capacity (calibrated first)")
     # Long prompts, short answers: much KV per request for few (CPU-bound) decode steps.
     p.add_argument("--input-len", type=int, default=160)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--cold-starts", action="store_true",
+                   help="no warm spare server: new pods start from scratch (slow on a busy machine)")
     p.add_argument("--prometheus", action="store_true",
                    help="run a real Prometheus and let the autoscaler read from it (prometheusURL)")
     return p.parse_args(argv)
@@ -91,11 +93,13 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 
 
 def build_model(out: Path) -> Path:
+    """A small random Llama (35M parameters): heavy enough that the servers, not this harness's
+    proxying, limit the throughput, and light enough to load in seconds."""
     from support.tiny_models import make_tiny_model
 
-    target = out / "tiny-llama"
+    target = out / "llama-768x6"
     if not (target / "config.json").exists():
-        make_tiny_model("llama", target)
+        make_tiny_model("llama", target, hidden=768, num_layers=6)
     return target
 
 
@@ -118,6 +122,7 @@ class Scenario:
         self.samples: list[Sample] = []
         self.phase = "idle"
         self.t0 = time.monotonic()
+        self.model_dir = Path()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -150,7 +155,7 @@ class Scenario:
     async def run(self) -> dict[str, Any]:
         args, out = self.args, self.out
         out.mkdir(parents=True, exist_ok=True)
-        model_dir = build_model(out)
+        model_dir = self.model_dir = build_model(out)
         async with ConflictingKubeEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
             declare_builtin_resources(emulator)
             declare_crd(emulator, crd.crd())
@@ -158,7 +163,7 @@ class Scenario:
             await emulator.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
                                                             "metadata": {"name": NAMESPACE}})
             prometheus = start_prometheus(out) if args.prometheus else None
-            runner = PodRunner(api_url, model_dir, out / "logs",
+            runner = PodRunner(api_url, model_dir, out / "logs", warm_spares=not args.cold_starts,
                                on_change=prometheus.write_targets if prometheus else None)
             front = RoundRobinFront(runner.ready_backends)
             await front.start()
@@ -171,6 +176,7 @@ class Scenario:
                     args, model_dir, prometheus.url if prometheus else None))
                 assert resp.status in (200, 201), await resp.text()
                 await self.wait_until("1 replica ready", lambda: len(runner.ready_backends()) == 1, 180)
+                await self.wait_until("warm spare ready", runner.spares_ready, 180)
                 rate = await self.calibrate(front)
                 resp = await emulator.patch(f"{CR_PATH}/{NAME}", json={"spec": {"autoscaling": {"enabled": True}}},
                                             headers={"Content-Type": "application/merge-patch+json"})
@@ -199,6 +205,7 @@ class Scenario:
             sys.executable, "-m", "pagoda.cli", "bench", "serve", "--base-url", front.url, "--model", NAME,
             "--num-prompts", str(num_prompts), "--request-rate", str(rate),
             "--input-len", str(self.args.input_len), "--output-len", str(self.args.output_len), "--seed", "1",
+            "--tokenizer", str(self.model_dir),  # exact prompt lengths in the served model's tokens
             "--save-result", str(self.out / f"{name}.json"), "--no-progress",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=self.out)
         output, _ = await bench.communicate()
@@ -213,8 +220,10 @@ class Scenario:
         Sizing the load from a measurement keeps the scenario meaningful on a busy or a fast machine:
         one server must fall behind, two must keep up."""
         self.phase = "calibrate"
-        result = await self.bench(front, "calibration", num_prompts=12, rate=float("inf"))
+        result = await self.bench(front, "calibration", num_prompts=24, rate=float("inf"))
         capacity = result["summary"]["request_throughput"]
+        if result["summary"]["failed_requests"] or not capacity:
+            raise RuntimeError(f"calibration failed: see {self.out / 'calibration.txt'}")
         rate = round(min(max(self.args.overload * capacity, 0.5), 20.0), 2)
         print(f"[{self.now():6.1f} s] one server: {capacity:.2f} req/s under a burst → load at {rate} req/s",
               flush=True)

@@ -9,7 +9,10 @@ processes match each one's `spec.replicas`:
 - readiness: `GET /ready` of each process becomes the Pod's Ready condition;
 - stop (newest first): first out of the front's rotation and the Pod object deleted (as endpoints
   drop a terminating pod), then SIGTERM so the server drains its in-flight requests;
-- status: the Deployment's `status.replicas/readyReplicas/...` as the controller reports them.
+- status: the Deployment's `status.replicas/readyReplicas/...` as the controller reports them;
+- warm spares (optional): one extra server per Deployment started ahead and handed to the next new
+  pod, as pre-pulled images and page-cached weights make a node's pod start fast; without it a new
+  pod here spends its first ~10-30 s importing torch on a busy CPU.
 """
 
 from __future__ import annotations
@@ -53,10 +56,21 @@ class Replica:
 
 
 @dataclass
+class Spare:
+    """A server process started ahead for the next pod; `key` is the command and env it runs."""
+
+    port: int
+    process: subprocess.Popen
+    key: str
+    ready: bool = False
+
+
+@dataclass
 class Workload:
     namespace: str
     name: str
     replicas: list[Replica] = field(default_factory=list)
+    spare: Spare | None = None
 
 
 def serve_command(container: dict[str, Any], port: int) -> list[str]:
@@ -87,10 +101,12 @@ def serve_env(container: dict[str, Any], model_dir: Path) -> dict[str, str]:
 
 class PodRunner:
     def __init__(self, api_url: str, model_dir: Path, log_dir: Path, poll_s: float = 0.5,
-                 on_change: Callable[[dict[str, str]], None] | None = None) -> None:
+                 on_change: Callable[[dict[str, str]], None] | None = None, warm_spares: bool = False) -> None:
         """`on_change({pod name: "127.0.0.1:port"})` is called whenever the set of ready pods changes."""
         self.api_url = api_url.rstrip("/")
         self.on_change = on_change
+        self.warm_spares = warm_spares
+        self._processes = 0
         self._last_ready: dict[str, str] = {}
         self.model_dir = model_dir
         self.log_dir = log_dir
@@ -120,6 +136,7 @@ class PodRunner:
                 for workload in self.workloads.values():
                     for replica in list(workload.replicas):
                         await self._stop_replica(workload, replica)
+                    self._drop_spare(workload)
                 await asyncio.gather(*self._stopping, return_exceptions=True)
 
     async def _api(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -142,6 +159,7 @@ class PodRunner:
             workload = self.workloads.pop(key)
             for replica in list(workload.replicas):
                 await self._stop_replica(workload, replica)
+            self._drop_spare(workload)
         self._notify()
 
     async def _reconcile(self, workload: Workload, deployment: dict[str, Any]) -> None:
@@ -155,6 +173,12 @@ class PodRunner:
             await self._stop_replica(workload, workload.replicas[-1])
         for replica in workload.replicas:
             await self._refresh_readiness(workload, replica)
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        if self.warm_spares and workload.replicas and workload.spare is None:
+            port, process = self._start_process(container)
+            workload.spare = Spare(port, process, self._key(container))
+        if workload.spare is not None and not workload.spare.ready:
+            workload.spare.ready = await self._answers_ready(workload.spare.port)
         ready = sum(r.ready for r in workload.replicas)
         await self._api("PATCH", f"/apis/apps/v1/namespaces/{workload.namespace}/deployments/{workload.name}/status",
                         json={"status": {"replicas": len(workload.replicas), "readyReplicas": ready,
@@ -162,15 +186,36 @@ class PodRunner:
                                          "observedGeneration": deployment["metadata"].get("generation", 1)}},
                         headers=MERGE)
 
+    def _key(self, container: dict[str, Any]) -> str:
+        return repr((serve_command(container, 0), sorted(serve_env(container, self.model_dir).items())))
+
+    def _start_process(self, container: dict[str, Any]) -> tuple[int, subprocess.Popen]:
+        port = free_port()
+        self._processes += 1
+        log = open(self.log_dir / f"serve-{self._processes}-port-{port}.log", "wb")  # noqa: SIM115 - the process's
+        process = subprocess.Popen(serve_command(container, port), env=serve_env(container, self.model_dir),
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir)
+        log.close()
+        return port, process
+
+    @staticmethod
+    def _drop_spare(workload: Workload) -> None:
+        if workload.spare is not None:
+            workload.spare.process.kill()
+            workload.spare.process.wait()
+            workload.spare = None
+
     async def _start_replica(self, workload: Workload, deployment: dict[str, Any]) -> None:
         template = deployment["spec"]["template"]
         container = template["spec"]["containers"][0]
         name = f"{workload.name}-{uuid.uuid4().hex[:5]}"
-        port = free_port()
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
-        process = subprocess.Popen(serve_command(container, port), env=serve_env(container, self.model_dir),
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir)
-        log.close()
+        spare = workload.spare
+        if spare is not None and spare.key == self._key(container) and spare.process.poll() is None:
+            port, process = spare.port, spare.process
+            workload.spare = None  # the next round starts another one
+        else:
+            self._drop_spare(workload)  # the template changed (or it died): it would run the old pod
+            port, process = self._start_process(container)
         workload.replicas.append(Replica(name, port, process))
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": workload.namespace,
@@ -181,13 +226,20 @@ class PodRunner:
                           "conditions": [{"type": "Ready", "status": "False"}]}}
         await self._api("POST", f"/api/v1/namespaces/{workload.namespace}/pods", json=pod)
 
-    async def _refresh_readiness(self, workload: Workload, replica: Replica) -> None:
+    def spares_ready(self) -> bool:
+        return all(w.spare is None or w.spare.ready for w in self.workloads.values())
+
+    async def _answers_ready(self, port: int) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(f"{replica.url}/ready", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                ready = r.status == 200
+            async with self._session.get(f"http://127.0.0.1:{port}/ready",
+                                         timeout=aiohttp.ClientTimeout(total=1)) as response:
+                return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            ready = False
+            return False
+
+    async def _refresh_readiness(self, workload: Workload, replica: Replica) -> None:
+        ready = await self._answers_ready(replica.port)
         if ready != replica.ready:
             replica.ready = ready
             condition = {"type": "Ready", "status": "True" if ready else "False"}
