@@ -1,6 +1,6 @@
 """The InferenceService CRD: the one schema in code, and its defaulting.
 
-`crds/inferenceservices.yaml` and `charts/pagoda/crds/` are generated from this module
+`crds/inferenceservices.yaml` and `charts/pagoda/crds/inferenceservices.yaml` are generated from this module
 (`python -m pagoda.operator.crd --write`); a test fails when they are stale. The operator applies the
 same `default`s to what it reads (`with_defaults`), so a spec means the same thing whether or not the
 API server has defaulted it.

@@ -58,7 +58,13 @@ def test_notes_give_apply_port_forward_and_grafana(notes):
         f"kubectl apply -f https://raw.githubusercontent.com/pagoda-dev/pagoda/v0.1.0/examples/{values['example']}"
         in text
     )
-    assert f"kubectl port-forward svc/{values['exampleName']} 8000:8000" in text
+    cpu = REPO / "examples" / values["cpuExample"]
+    assert yaml.safe_load(cpu.read_text())["metadata"]["name"] == values["cpuExampleName"]
+    assert yaml.safe_load(cpu.read_text())["spec"]["resources"]["gpus"] == 0
+    applies = re.findall(r"kubectl apply -f \S+/examples/(\S+)", text)
+    assert applies == [values["cpuExample"], values["example"]]  # without a GPU: the first command works
+    assert f"kubectl port-forward svc/{values['cpuExampleName']} 8000:8000" in text
+    assert f"svc/{values['exampleName']}" in text
     assert "kubectl -n monitoring port-forward svc/kube-prometheus-stack-grafana 3000:80" in text
     (uid,) = re.findall(r"localhost:3000/d/([\w-]+)", text)
     assert uid == json.loads((CHART / "dashboards" / "pagoda-serving.json").read_text())["uid"]

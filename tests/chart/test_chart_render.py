@@ -45,11 +45,15 @@ ALL_FEATURES = [
     "--set",
     "operator.extraEnv[0].value=debug",
 ]
+NAMESPACED_PEERED = ["--set", "operator.watchNamespaces={a,b}", "--set", "operator.peering=pagoda",
+                     "--set", "operator.replicas=2"]
 MODES = {
     "default": [],
     "namespaced": ["--set", "operator.watchNamespaces={a,b}"],
     "all-features": ALL_FEATURES,
+    "namespaced-peered": NAMESPACED_PEERED,
 }
+PEERED_MODES = {"all-features", "namespaced-peered"}
 
 # Prometheus Operator kinds: no schema in kubernetes_validate (they are CRDs); their CRDs cannot be
 # fetched here, so this checks the fields the chart sets, as the CRDs define them.
@@ -179,6 +183,19 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [obj for obj in objects if obj["kind"] == kind]
 
 
+def check_custom_resource(obj: dict, crds: list[dict]) -> None:
+    """An object of a kind the chart's own crds/ define (kopf's peering objects): right group, version
+    and scope, and valid against that CRD's schema (unknown fields refused, as kubectl's strict mode)."""
+    group, version = obj["apiVersion"].split("/")
+    (crd,) = [c for c in crds if c["spec"]["group"] == group and c["spec"]["names"]["kind"] == obj["kind"]]
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
+    assert ("namespace" in obj["metadata"]) == (crd["spec"]["scope"] == "Namespaced"), obj["metadata"]
+    schema = {**served["schema"]["openAPIV3Schema"], "additionalProperties": False}
+    schema["properties"] = {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                            "metadata": {"type": "object"}, **schema["properties"]}
+    jsonschema.validate(obj, schema)
+
+
 def test_helm_lint_strict(helm):
     for args in MODES.values():
         result = run(helm, "lint", "--strict", str(CHART), *args)
@@ -190,10 +207,14 @@ def test_every_rendered_object_is_valid(render, mode, promtool, tmp_path):
     objects = render(*MODES[mode])
     kinds = {obj["kind"] for obj in objects}
     assert {"Deployment", "ServiceAccount", "Service", "ConfigMap", "Pod"} <= kinds
+    own_crds = by_kind(objects, "CustomResourceDefinition")
+    own_kinds = {crd["spec"]["names"]["kind"] for crd in own_crds}
     for obj in objects:
         where = f"{obj['kind']}/{obj['metadata']['name']}"
         if obj["kind"] in CRD_BASED:
             jsonschema.validate(obj, CRD_BASED[obj["kind"]])
+        elif obj["kind"] in own_kinds:
+            check_custom_resource(obj, own_crds)
         else:
             try:
                 kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -244,9 +265,28 @@ def test_operator_args_parse_with_the_real_cli(render, mode):
     assert container["args"][0] == "operator"
     args = build_parser().parse_args(container["args"])
     assert (args.health_port, args.metrics_port) == (8080, 8081)
-    assert args.all_namespaces == (mode != "namespaced")
-    assert args.namespace == (["a", "b"] if mode == "namespaced" else [])
-    assert (args.peering, args.standalone) == (("pagoda", False) if mode == "all-features" else (None, True))
+    assert args.all_namespaces == (not mode.startswith("namespaced"))
+    assert args.namespace == (["a", "b"] if mode.startswith("namespaced") else [])
+    assert (args.peering, args.standalone) == (("pagoda", False) if mode in PEERED_MODES else (None, True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_peering_objects_are_the_ones_the_operator_patches(render, mode):
+    """With operator.peering, the object kopf peers in exists: the ClusterKopfPeering named so when the
+    operator serves all namespaces, else a KopfPeering in each watched namespace (kopf patches them,
+    never creates them). Standalone: none."""
+    objects = render(*MODES[mode])
+    peerings = {(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+                for obj in objects if obj["apiVersion"] == "kopf.dev/v1"}
+    args = operator_container(objects)["args"]
+    if mode not in PEERED_MODES:
+        assert peerings == set() and "--standalone" in args
+        return
+    assert "--peering=pagoda" in args
+    if mode.startswith("namespaced"):
+        assert peerings == {("KopfPeering", "a", "pagoda"), ("KopfPeering", "b", "pagoda")}
+    else:
+        assert peerings == {("ClusterKopfPeering", None, "pagoda")}
 
 
 def test_operator_is_locked_down(render):

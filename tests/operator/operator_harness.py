@@ -93,9 +93,9 @@ async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: fl
 @contextlib.asynccontextmanager
 async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] | None = None,
                            liveness: str | None = None, identity: str = "operator-0",
-                           priority: int = 0) -> AsyncIterator[None]:
+                           priority: int = 0, peering: str | None = PEERING) -> AsyncIterator[None]:
     """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it (or with
-    `--namespace=NS` for each of `namespaces`), in its own thread.
+    `--namespace=NS` for each of `namespaces`; `peering=None`: `--standalone`), in its own thread.
 
     Its own thread and event loop, as in a real process: at exit kopf waits for, then cancels, every
     task of its loop, which must not include the emulator's request handlers.
@@ -106,7 +106,8 @@ async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] 
     def run() -> None:
         try:
             asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
-                                      peering_name=PEERING, liveness_endpoint=liveness,
+                                      peering_name=peering, standalone=peering is None,
+                                      liveness_endpoint=liveness,
                                       identity=Identity(identity), priority=priority,
                                       stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread

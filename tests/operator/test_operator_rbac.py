@@ -20,6 +20,7 @@ from operator_harness import (
     DEP,
     NS,
     PDB,
+    PEERING,
     PODS_URL,
     SM,
     condition,
@@ -66,9 +67,16 @@ def recorded_calls(k8s) -> set[Call]:
     return calls
 
 
-async def lifecycle(k8s, namespaces: list[str] | None) -> None:
+def peering_patches(k8s) -> set[tuple[str, str | None, str]]:
+    """(plural, namespace, name) of every peering object kopf's session patched."""
+    return {(r.resource.plural, r.namespace, r.name) for r in list(k8s)
+            if r.headers.get("User-Agent", "").startswith("kopf/") and r.resource is not None
+            and r.resource.group == "kopf.dev" and str(getattr(r.method, "value", r.method)).upper() == "PATCH"}
+
+
+async def lifecycle(k8s, namespaces: list[str] | None, peering: str | None) -> None:
     """Create, update, scale, crash, drop the ServiceMonitor, restart: every kind of call once."""
-    async with running_operator(k8s, namespaces):
+    async with running_operator(k8s, namespaces, peering=peering):
         await create(k8s, isvc(replicas=2, model={"uri": "hf://org/model", "hfTokenSecretRef": {"name": "t"}}))
         await eventually(lambda: live(k8s, PDB, "llm") and condition(k8s, "llm", "ServiceMonitor"))
         await patch(k8s, f"{CR_URL}/llm", {"spec": {"engine": {"maxNumSeqs": 8}}})
@@ -81,7 +89,7 @@ async def lifecycle(k8s, namespaces: list[str] | None) -> None:
         await eventually(lambda: any(e["reason"] == "CrashLoopBackOff" for e in events(k8s)), what="event")
         await patch(k8s, f"{CR_URL}/llm", {"spec": {"monitoring": {"serviceMonitor": False}}})
         await eventually(lambda: k8s.objects[SM, NS, "llm"].deleted)
-    async with running_operator(k8s, namespaces):
+    async with running_operator(k8s, namespaces, peering=peering):
         await eventually(lambda: live(k8s, DEP, "llm"))
 
 
@@ -89,16 +97,26 @@ def helm() -> str | None:
     return shutil.which("helm") or shutil.which("helm", path=str(ROOT / ".venv" / "bin"))
 
 
-def rendered_roles(watch_namespaces: list[str]) -> list[dict]:
-    """(Cluster)Role objects for operator.peering=pagoda and these watchNamespaces."""
+def rendered_chart(watch_namespaces: list[str], peering: str | None) -> list[dict]:
+    """The chart's objects for these values of operator.watchNamespaces and operator.peering."""
+    args = [helm(), "template", "t", str(CHART)]
+    if peering:
+        args += ["--set", f"operator.peering={peering}"]
+    if watch_namespaces:
+        args += ["--set", "operator.watchNamespaces={" + ",".join(watch_namespaces) + "}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def rendered_roles(watch_namespaces: list[str], peering: str | None) -> list[dict]:
+    """(Cluster)Role objects for these watchNamespaces, peered (operator.peering) or standalone."""
     if helm():
-        args = [helm(), "template", "t", str(CHART), "--show-only", "templates/rbac.yaml",
-                "--set", "operator.peering=pagoda"]
-        if watch_namespaces:
-            args += ["--set", "operator.watchNamespaces={" + ",".join(watch_namespaces) + "}"]
-        out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=60).stdout
-        return [d for d in yaml.safe_load_all(out) if d and d["kind"] in ("ClusterRole", "Role")]
-    return roles_without_helm(watch_namespaces)
+        return [d for d in rendered_chart(watch_namespaces, peering) if d["kind"] in ("ClusterRole", "Role")]
+    roles = roles_without_helm(watch_namespaces)
+    if not peering:  # the fallback cannot evaluate `if $peering`: drop the peering rules by hand
+        for role in roles:
+            role["rules"] = [r for r in role["rules"] if r["apiGroups"] != ["kopf.dev"]]
+    return roles
 
 
 def roles_without_helm(watch_namespaces: list[str]) -> list[dict]:
@@ -145,12 +163,13 @@ def autoscaler_only_calls() -> set[tuple[str, str, str]]:
     return calls
 
 
+@pytest.mark.parametrize("peering", [PEERING, None], ids=["peered", "standalone"])
 @pytest.mark.parametrize("watch_namespaces", [[], [NS]], ids=["cluster-wide", "namespaced"])
-async def test_rbac_allows_exactly_the_calls_made(kmock, tmp_path, monkeypatch, watch_namespaces):
+async def test_rbac_allows_exactly_the_calls_made(kmock, tmp_path, monkeypatch, watch_namespaces, peering):
     prepare_cluster(kmock, tmp_path, monkeypatch)
-    await lifecycle(kmock, watch_namespaces or None)
+    await lifecycle(kmock, watch_namespaces or None, peering)
     calls = recorded_calls(kmock)
-    granted = grants(rendered_roles(watch_namespaces))
+    granted = grants(rendered_roles(watch_namespaces, peering))
     assert [c for c in sorted(calls, key=str) if not allowed(c, granted)] == []
     used = {(g, r, v) for g, r, v, _ in calls} | autoscaler_only_calls()
     unused = sorted({(g, r, v) for g, r, v, _ in granted} - used)
@@ -158,10 +177,31 @@ async def test_rbac_allows_exactly_the_calls_made(kmock, tmp_path, monkeypatch, 
     # kopf's own needs, so a change in kopf shows here first
     verbs = {(r, v) for _, r, v, _ in calls}
     assert {("inferenceservices", "watch"), ("inferenceservices", "patch"), ("events", "create")} <= verbs
+    peering_plural = "kopfpeerings" if watch_namespaces else "clusterkopfpeerings"
+    assert ({(peering_plural, "watch"), (peering_plural, "patch")} <= verbs) == bool(peering)
+
+
+@pytest.mark.parametrize("watch_namespaces", [[], [NS]], ids=["cluster-wide", "namespaced"])
+async def test_kopf_peers_in_the_objects_the_chart_creates(kmock, tmp_path, monkeypatch, watch_namespaces):
+    """kopf patches exactly the peering objects the chart renders for operator.peering: the
+    ClusterKopfPeering cluster-wide, the KopfPeering of each watched namespace otherwise."""
+    if helm() is None:
+        pytest.skip("helm not installed: the chart's peering objects cannot be rendered")
+    prepare_cluster(kmock, tmp_path, monkeypatch)
+    async with running_operator(kmock, watch_namespaces or None):
+        await eventually(lambda: peering_patches(kmock), what="a peering patch")
+    chart = {(f"{d['kind'].lower()}s", d["metadata"].get("namespace"), d["metadata"]["name"])
+             for d in rendered_chart(watch_namespaces, PEERING) if d["apiVersion"].startswith("kopf.dev/")}
+    assert peering_patches(kmock) == chart
+    assert chart == ({("kopfpeerings", NS, PEERING)} if watch_namespaces else {("clusterkopfpeerings", None, PEERING)})
 
 
 def test_the_fallback_parser_reads_the_same_rules_as_helm():
     if helm() is None:
         pytest.skip("helm not installed: the fallback is what the RBAC test uses")
     for namespaces in ([], [NS]):
-        assert grants(roles_without_helm(namespaces)) == grants(rendered_roles(namespaces))
+        for peering in (PEERING, None):
+            helm_roles = [d for d in rendered_chart(namespaces, peering) if d["kind"] in ("ClusterRole", "Role")]
+            assert grants(rendered_roles(namespaces, peering)) == grants(helm_roles)
+            if peering:
+                assert grants(roles_without_helm(namespaces)) == grants(helm_roles)
