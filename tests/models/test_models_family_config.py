@@ -58,6 +58,8 @@ def test_legacy_rope_config_is_read():
 def test_unsupported_configs_are_refused():
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         LlamaFamilyConfig.from_hf(GPT2Config())
+    with pytest.raises(ValueError, match="partial rotary"):
+        rope_parameters(SimpleNamespace(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}))
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         LlamaFamilyConfig.from_hf(
             LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})

@@ -25,6 +25,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     if "rope_theta" not in params:
         raise ValueError(f"rope parameters {params} are per layer type or lack rope_theta; not supported")
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_type {params['rope_type']!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
