@@ -6,3 +6,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that spin while idle starve the other processes of a test (servers, Prometheus,
+# the operator) on a small machine; set before torch is imported anywhere.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
