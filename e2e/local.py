@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,13 +50,15 @@ CR_PATH = f"/apis/{crd.API_VERSION}/namespaces/{NAMESPACE}/{crd.PLURAL}"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m e2e.local", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "e2e" / "out", help="where logs, plot and results go")
-    p.add_argument("--num-blocks", type=int, default=32, help="KV blocks per server (16 tokens each)")
+    p.add_argument("--num-blocks", type=int, default=16,
+                   help="KV blocks per server (16 tokens each): 16 hold one request of the default size")
     p.add_argument("--max-replicas", type=int, default=2)
     p.add_argument("--interval", type=int, default=2, help="autoscaler intervalSeconds")
     p.add_argument("--down-window", type=int, default=20, help="scaleDownStabilizationSeconds")
     p.add_argument("--load-seconds", type=float, default=45.0)
-    p.add_argument("--overload", type=float, default=1.5,
-                   help="load rate as a multiple of one server's measured capacity (calibrated first)")
+    p.add_argument("--clients", type=int, default=8,
+                   help="concurrent clients (closed loop): one server's KV cache holds one request, so "
+                   "one server queues clients-1 of them")
     # Long prompts, short answers: much KV per request for few (CPU-bound) decode steps.
     p.add_argument("--input-len", type=int, default=160)
     p.add_argument("--output-len", type=int, default=32)
@@ -93,13 +96,13 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 
 
 def build_model(out: Path) -> Path:
-    """A small random Llama (35M parameters): heavy enough that the servers, not this harness's
-    proxying, limit the throughput, and light enough to load in seconds."""
+    """A small random Llama (3M parameters): heavy enough that the servers, not this harness's
+    proxying, limit the throughput, light enough to keep up on two busy cores."""
     from support.tiny_models import make_tiny_model
 
-    target = out / "llama-768x6"
+    target = out / "llama-256x4"
     if not (target / "config.json").exists():
-        make_tiny_model("llama", target, hidden=768, num_layers=6)
+        make_tiny_model("llama", target, hidden=256, num_layers=4)
     return target
 
 
@@ -153,6 +156,8 @@ class Scenario:
         print(f"[{self.now():6.1f} s] {what}", flush=True)
 
     async def run(self) -> dict[str, Any]:
+        # SIGTERM (a CI timeout, `kill`) cancels the scenario, so the finally-blocks stop every process.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         args, out = self.args, self.out
         out.mkdir(parents=True, exist_ok=True)
         model_dir = self.model_dir = build_model(out)
@@ -177,12 +182,12 @@ class Scenario:
                 assert resp.status in (200, 201), await resp.text()
                 await self.wait_until("1 replica ready", lambda: len(runner.ready_backends()) == 1, 180)
                 await self.wait_until("warm spare ready", runner.spares_ready, 180)
-                rate = await self.calibrate(front)
+                capacity = await self.calibrate(front)
                 resp = await emulator.patch(f"{CR_PATH}/{NAME}", json={"spec": {"autoscaling": {"enabled": True}}},
                                             headers={"Content-Type": "application/merge-patch+json"})
                 assert resp.status == 200, await resp.text()
                 await asyncio.sleep(2 * args.interval)
-                result = await self.load_and_cool_down(front, runner, rate)
+                result = await self.load_and_cool_down(front, runner, capacity)
             finally:
                 with contextlib.suppress(KeyError):  # the final InferenceService and Events, for the record
                     (out / "inferenceservice.json").write_text(json.dumps(
@@ -199,11 +204,11 @@ class Scenario:
                     prometheus.stop()
         return result
 
-    async def bench(self, front: RoundRobinFront, name: str, num_prompts: int, rate: float) -> dict[str, Any]:
+    async def bench(self, front: RoundRobinFront, name: str, num_prompts: int, clients: int) -> dict[str, Any]:
         """`pagoda bench serve` through the front; its saved result (the last run) and exit code."""
         bench = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pagoda.cli", "bench", "serve", "--base-url", front.url, "--model", NAME,
-            "--num-prompts", str(num_prompts), "--request-rate", str(rate),
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(clients),
             "--input-len", str(self.args.input_len), "--output-len", str(self.args.output_len), "--seed", "1",
             "--tokenizer", str(self.model_dir),  # exact prompt lengths in the served model's tokens
             "--save-result", str(self.out / f"{name}.json"), "--no-progress",
@@ -215,28 +220,28 @@ class Scenario:
         return {**run, "exit_code": bench.returncode}
 
     async def calibrate(self, front: RoundRobinFront) -> float:
-        """One server's capacity (req/s) under a burst, with autoscaling still off; the load rate follows.
-
-        Sizing the load from a measurement keeps the scenario meaningful on a busy or a fast machine:
-        one server must fall behind, two must keep up."""
+        """One server's throughput (req/s) with autoscaling still off: it sizes the load's request count
+        so the load lasts about --load-seconds on a slow or a fast machine."""
         self.phase = "calibrate"
-        result = await self.bench(front, "calibration", num_prompts=24, rate=float("inf"))
+        result = await self.bench(front, "calibration", num_prompts=24, clients=self.args.clients)
         capacity = result["summary"]["request_throughput"]
         if result["summary"]["failed_requests"] or not capacity:
             raise RuntimeError(f"calibration failed: see {self.out / 'calibration.txt'}")
-        rate = round(min(max(self.args.overload * capacity, 0.5), 20.0), 2)
-        print(f"[{self.now():6.1f} s] one server: {capacity:.2f} req/s under a burst → load at {rate} req/s",
+        print(f"[{self.now():6.1f} s] one server: {capacity:.2f} req/s with {self.args.clients} clients",
               flush=True)
         self.phase = "idle"
-        return rate
+        return capacity
 
-    async def load_and_cool_down(self, front: RoundRobinFront, runner: PodRunner, rate: float) -> dict[str, Any]:
+    async def load_and_cool_down(self, front: RoundRobinFront, runner: PodRunner,
+                                 capacity: float) -> dict[str, Any]:
         args = self.args
         self.phase = "load"
         front.first_post_at = None  # align with this bench run
         front.requests_per_backend.clear()  # count the load's requests only
         load_started = self.now()
-        result = await self.bench(front, "bench", num_prompts=max(10, int(rate * args.load_seconds)), rate=rate)
+        # Sized for ~1.5 servers' worth of throughput over --load-seconds.
+        num_prompts = max(40, int(1.5 * capacity * args.load_seconds))
+        result = await self.bench(front, "bench", num_prompts=num_prompts, clients=args.clients)
         self.phase = "cooldown"
         load_ended = self.now()
         print(f"[{load_ended:6.1f} s] load finished (bench exit {result['exit_code']})", flush=True)
@@ -250,7 +255,7 @@ class Scenario:
         attach_ttft(self.samples, requests, bench_t0)
         summary = self.summarize(requests, bench_t0, load_started, load_ended, scaled_down_at, front,
                                  result["exit_code"])
-        return {"load_rate": rate, **summary}
+        return {"clients": args.clients, "one_server_req_per_s": round(capacity, 2), **summary}
 
     def summarize(self, requests: list[dict[str, Any]], bench_t0: float, load_started: float,
                   load_ended: float, scaled_down_at: float, front: RoundRobinFront,
