@@ -50,7 +50,7 @@ async def collect(collection: Collection, namespace: str,
                   ready_pods: list[Mapping[str, Any]]) -> dict[str, PodSample | str]:
     if collection.prometheus_url:
         names = [p["metadata"]["name"] for p in ready_pods]
-        # Series older than two intervals are stale: treat those pods as missing.
+        # Series older than two intervals (at least 30 s) are stale: those pods count as missing.
         return await query_prometheus(collection.prometheus_url, namespace, names,
                                       timeout=collection.scrape_timeout_s,
                                       max_age_s=max(2 * collection.interval_s, 30.0))
@@ -96,7 +96,9 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
             scaled_at = now
             message = f"{current} → {decision.desired_replicas}: {decision.reason}"
             logger.info(f"autoscaler: {message}")
-            kopf.info(body, reason="Scaled" + decision.direction.capitalize(), message=message[:1000])
+            # kopf.event, not kopf.info: the operator posts only WARNING+ of kopf's own chatter.
+            kopf.event(body, type="Normal", reason="Scaled" + decision.direction.capitalize(),
+                       message=message[:1000])
             metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
         status_patch["autoscaling"] = report.autoscaling_status(
             decision, samples, not_ready, status.get("autoscaling"), scaled_at)

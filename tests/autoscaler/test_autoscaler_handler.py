@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -53,7 +54,7 @@ def registry_for(url: str) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     def settings(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.scanning.disabled = True
-        settings.posting.level = 0
+        settings.posting.level = logging.WARNING  # as `pagoda operator`: the scale Events must still go out
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
