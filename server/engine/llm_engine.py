@@ -119,6 +119,9 @@ class LLMEngine:
                 f"prompt: {len(prompt_ids)} tokens exceed max_num_batched_tokens {self.max_num_batched_tokens} "
                 "(enable chunked prefill or raise the limit)"
             )
+        width = params.beam_width if params.use_beam_search else params.n
+        if width > self.scheduler.max_num_seqs:
+            raise ValueError(f"n: {width} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}")
         max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
         max_total = min(max_total, self.max_model_len)
         self._check_fits(len(prompt_ids), max_total, params)

@@ -173,7 +173,9 @@ class Scheduler:
                 needed = (
                     -(-end // bm.block_size) - max(len(hits), len(seq.block_table)) + bm.num_reviving(hits)
                 )
-                if needed + self.watermark_blocks > bm.num_free_blocks:
+                # The watermark guards running sequences; with none running, use the whole pool.
+                watermark = self.watermark_blocks if self.running or chosen else 0
+                if needed + watermark > bm.num_free_blocks:
                     break
                 if hits:
                     bm.adopt_prefix(seq, hits)

@@ -67,3 +67,11 @@ async def test_async_engine_raises_at_first_anext_and_keeps_serving(llama):
         assert final.finished and len(final.outputs[0].token_ids) == 3
     finally:
         await engine.shutdown()
+
+
+def test_more_sequences_than_batch_seats_is_refused(llama):
+    llm = llama.llm(max_num_seqs=2)
+    with pytest.raises(ValueError, match="n: 4 sequences exceed max_num_seqs 2"):
+        llm.generate([[5, 6, 7]], SamplingParams(n=4))
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
+    assert len(out.outputs) == 2 and all(len(o.token_ids) == 3 for o in out.outputs)
