@@ -188,6 +188,11 @@ class Scenario:
                 assert resp.status == 200, await resp.text()
                 await asyncio.sleep(2 * args.interval)
                 result = await self.load_and_cool_down(front, runner, capacity)
+                result["scale_events"] = [
+                    f"{o.raw.get('reason')}: {o.raw.get('message')}" for (r, _, _), o in emulator.objects.items()
+                    if r.plural == "events" and str(o.raw.get("reason", "")).startswith("Scaled")]
+                result["checks"]["an Event per scale"] = (
+                    [e.split(":")[0] for e in result["scale_events"]] == ["ScaledUp", "ScaledDown"])
             finally:
                 with contextlib.suppress(KeyError):  # the final InferenceService and Events, for the record
                     (out / "inferenceservice.json").write_text(json.dumps(
