@@ -138,8 +138,25 @@ def stabilize(current: int, recommendation: int, history: Sequence[Recommendatio
             down = max(down, rec.replicas)
     stabilized = min(max(current, up), down)
     oldest_needed = min(up_cutoff, down_cutoff)
-    kept = tuple(r for r in history if r.time > oldest_needed)
-    return stabilized, (*kept, Recommendation(now, recommendation))
+    kept = [r for r in history if r.time > oldest_needed]
+    return stabilized, compact((*kept, Recommendation(now, recommendation)))
+
+
+def compact(history: Sequence[Recommendation]) -> tuple[Recommendation, ...]:
+    """Drop the recommendations no window can ever pick again, so the history (mirrored in status)
+    stays as small as the number of distinct values, however short the interval and long the window.
+
+    The windows are suffixes in time, so an entry followed by a newer one at least as high never sets
+    a window's maximum, and one followed by a newer one at most as low never sets its minimum; an entry
+    with both is dead (e.g. every repeat of a steady recommendation but the newest)."""
+    kept: list[Recommendation] = []
+    newer_max, newer_min = -1, None
+    for rec in reversed(history):
+        if rec.replicas > newer_max or newer_min is None or rec.replicas < newer_min:
+            kept.append(rec)
+        newer_max = max(newer_max, rec.replicas)
+        newer_min = rec.replicas if newer_min is None else min(newer_min, rec.replicas)
+    return tuple(reversed(kept))
 
 
 def scale_up_limit(current: int, policy: Policy) -> int:

@@ -138,3 +138,26 @@ def test_no_flapping_under_oscillating_load() -> None:
         replicas = d.desired_replicas
     assert replicas == 3  # ceil(2 × 1.0 / 0.7); at 3 the peak is inside tolerance, the troughs are stabilized
     assert changes == 1
+
+
+def test_compacted_history_decides_exactly_as_the_full_one_and_stays_small() -> None:
+    """A 1 s interval under busy and quiet phases with noise: the mirrored history stays a handful of
+    entries, and every decision equals the one made with the complete history of the windows."""
+    policy = Policy(min_replicas=1, max_replicas=8, scale_down_stabilization_s=120, scale_up_stabilization_s=30)
+    compacted: tuple[Recommendation, ...] = ()
+    full: list[Recommendation] = []
+    replicas, changes, recommended = 2, 0, set()
+    for step in range(1800):
+        noise = ((step * 7919) % 101) / 100  # deterministic
+        demand = (0.5 + 5 * noise) if (step // 200) % 2 else 0.3 * noise  # KV demand in whole pods
+        pods_now = pods(*[(min(1.0, demand / replicas), 0)] * replicas)
+        d = decide(replicas, pods_now, policy, compacted, float(step))
+        reference = decide(replicas, pods_now, policy, full, float(step))
+        assert d.desired_replicas == reference.desired_replicas, step
+        compacted = d.history
+        full = [r for r in full if r.time > step - 120] + [Recommendation(float(step), d.recommendation or 0)]
+        changes += d.desired_replicas != replicas
+        recommended.add(d.recommendation)
+        replicas = d.desired_replicas
+    assert changes >= 6 and len(recommended) >= 3  # the load really moved the replicas up and down
+    assert len(full) == 120 and len(compacted) <= 6, len(compacted)
