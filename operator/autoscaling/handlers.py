@@ -102,6 +102,10 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
             metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
         status_patch["autoscaling"] = report.autoscaling_status(
             decision, samples, not_ready, status.get("autoscaling"), scaled_at)
+    elif status.get("autoscaling") is not None:
+        # Switched off: a stale decision in status would mislead; re-enabling starts a fresh window.
+        status_patch["autoscaling"] = None
+        memo.pop(HISTORY_MEMO_KEY, None)
     if status_patch:
         await kube.patch_status(namespace, name, status_patch, logger)
 

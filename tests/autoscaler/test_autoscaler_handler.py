@@ -192,14 +192,17 @@ async def test_queue_spike_and_missing_pods(k8s: KubeEmulator, fake_pods: FakePo
 
 
 async def test_disabled_never_touches_replicas_but_reports_kv(k8s: KubeEmulator, fake_pods: FakePodFarm) -> None:
+    """Switched off (here: after a decision was recorded), it only reports: spec.replicas is the user's."""
     full = await fake_pods.start(metrics_text(kv=1.0, waiting=40))
     await create_isvc(k8s, replicas=1, autoscaling={**AUTOSCALING, "enabled": False})
+    await k8s.patch(f"{CR_URL}/{NAME}/status", json={"status": {"autoscaling": {"desiredReplicas": 3}}},
+                    headers=MERGE)
     await add_pod(k8s, "llm-0", full)
     async with running_operator(k8s):
         await eventually(lambda: isvc(k8s)["status"]["kvCache"]["usage"] == 1.0)
         await asyncio.sleep(60)  # four more rounds
     assert replicas(k8s) == 1
-    assert "autoscaling" not in isvc(k8s)["status"]
+    assert "autoscaling" not in isvc(k8s)["status"]  # the stale decision is gone
     assert not any(r.subresource == "scale" and r.action == kmock.action.UPDATE for r in list(k8s))
 
 
