@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply the CPU InferenceService, query it, load it, and watch it scale up and back down.
+# Apply the CPU example (examples/cpu-smollm2.yaml: the image's embedded default model, autoscaled
+# 1-3), query it, load it, and watch it scale up and back down.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=e2e/kind/env.sh
@@ -7,8 +8,11 @@ source e2e/kind/env.sh
 PORT="${PORT:-18000}"
 
 kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
-kubectl apply -n "$NAMESPACE" -f e2e/kind/inferenceservice-cpu.yaml
-echo "waiting for the model download and the first ready pod (minutes on a laptop)..."
+kubectl apply -n "$NAMESPACE" -f examples/cpu-smollm2.yaml
+# Short windows so the demo shows a scale-up and a scale-down within minutes.
+kubectl patch -n "$NAMESPACE" "inferenceservice/${ISVC}" --type merge \
+  -p '{"spec": {"autoscaling": {"intervalSeconds": 10, "scaleDownStabilizationSeconds": 60}}}'
+echo "waiting for the first ready pod..."
 kubectl wait -n "$NAMESPACE" "inferenceservice/${ISVC}" --for=condition=Ready --timeout=30m
 
 kubectl port-forward -n "$NAMESPACE" "service/${ISVC}" "${PORT}:8000" >/dev/null &
@@ -21,10 +25,11 @@ curl -fsS "http://127.0.0.1:${PORT}/v1/chat/completions" -H 'content-type: appli
 echo
 
 # The load runs in the cluster (bench from the server image): a port-forward is too narrow a pipe.
+# 32 clients × 320 tokens is more than one pod's 256 MiB KV pool (~5,700 tokens) holds.
 kubectl delete pod -n "$NAMESPACE" pagoda-bench --ignore-not-found
 kubectl run -n "$NAMESPACE" pagoda-bench --restart=Never --image="$SERVER_IMAGE" --image-pull-policy=Never \
   -- pagoda bench serve --base-url "http://${ISVC}:8000" \
-  --num-prompts 400 --request-rate 4 --input-len 256 --output-len 64 --no-progress
+  --num-prompts 600 --max-concurrency 32 --input-len 256 --output-len 64 --no-progress
 
 # Watch replicas, KV usage (status.kvCache) and the autoscaler's reason every 10 s, until the load is
 # over and the InferenceService is back at minReplicas.

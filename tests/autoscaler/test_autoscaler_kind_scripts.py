@@ -1,5 +1,5 @@
 """The kind scripts (they need Docker and kind, so they cannot run here): strict, parseable, lint-clean,
-and the InferenceService they apply is valid against the CRD's schema."""
+and the example InferenceService they apply is valid against the CRD's schema."""
 
 from __future__ import annotations
 
@@ -35,10 +35,13 @@ def test_shellcheck_clean() -> None:
     assert result.returncode == 0, result.stdout
 
 
-def test_demo_inferenceservice_is_valid_and_autoscaled() -> None:
-    body = yaml.safe_load((KIND / "inferenceservice-cpu.yaml").read_text())
+def test_demo_applies_the_cpu_example_valid_and_autoscaled() -> None:
+    demo = (KIND / "demo.sh").read_text()
+    assert "examples/cpu-smollm2.yaml" in demo
+    body = yaml.safe_load((ROOT / "examples" / "cpu-smollm2.yaml").read_text())
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     jsonschema.validate(body, schema)
-    assert body["spec"]["resources"]["gpus"] == 0
-    assert body["spec"]["autoscaling"]["enabled"] is True
-    assert body["spec"]["model"]["uri"] == "hf://HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model
+    assert body["metadata"]["name"] == "smollm2-cpu"  # ISVC in env.sh
+    assert body["spec"]["resources"]["gpus"] == 0 and body["spec"]["autoscaling"]["enabled"] is True
+    assert "uri" not in body["spec"]["model"]  # the image's embedded default model: nothing to download
+    assert 'ISVC="${ISVC:-smollm2-cpu}"' in (KIND / "env.sh").read_text()
