@@ -36,7 +36,6 @@ sys.path.insert(0, str(REPO / "tests"))  # the emulator and the tiny model build
 import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
 from pagoda.operator.autoscaling.metrics import MetricsError, parse_metrics  # noqa: E402
-from support.autoscaler_kube import ConflictingKubeEmulator  # noqa: E402
 from support.kube_emulator import KubeEmulator, declare_builtin_resources, declare_crd  # noqa: E402
 
 from e2e.front import RoundRobinFront  # noqa: E402
@@ -161,7 +160,7 @@ class Scenario:
         args, out = self.args, self.out
         out.mkdir(parents=True, exist_ok=True)
         model_dir = self.model_dir = build_model(out)
-        async with ConflictingKubeEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
+        async with KubeEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
             declare_builtin_resources(emulator)
             declare_crd(emulator, crd.crd())
             api_url = str(server.url).rstrip("/")

@@ -229,6 +229,11 @@ STATUS = _obj("What the operator observes.", {
         "reason": _str("Why."),
         "metrics": _free_object("Per-pod metrics it read."),
         "proposals": _free_object("Per-metric replica proposals."),
+        "history": {"type": "array", "description": "Recent recommendations the stabilization windows "
+                    "can still pick (so a restarted operator does not flap).",
+                    "items": {"type": "object", "required": ["time", "replicas"], "properties": {
+                        "time": _str("When recommended.", format="date-time"),
+                        "replicas": _int("Recommended replicas.")}}},
     }),
 })
 

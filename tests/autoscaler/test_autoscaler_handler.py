@@ -22,7 +22,6 @@ import pytest
 from pagoda.operator import crd
 from pagoda.operator.autoscaling import handlers
 from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
-from support.autoscaler_kube import ConflictingKubeEmulator
 from support.autoscaler_pods import FakePod, FakePodFarm, metrics_text
 from support.kube_emulator import KubeEmulator, declare_builtin_resources
 
@@ -34,7 +33,7 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": 15,
                "scaleDownStabilizationSeconds": 60}
 
-pytestmark = [pytest.mark.kmock(cls=ConflictingKubeEmulator), pytest.mark.looptime]
+pytestmark = [pytest.mark.kmock(cls=KubeEmulator), pytest.mark.looptime]
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ our operators depend on:
 - parsing of `/api/v1/namespaces[/name]` (kmock 0.8 fails on it: kopf lists namespaces when it serves
   only some of them);
 - garbage collection: objects whose owners (ownerReferences uids) are all gone are deleted;
-- no-op writes (a patch or apply that changes nothing) store no new version and send no watch event.
+- no-op writes (a patch or apply that changes nothing) store no new version and send no watch event;
+- a JSON patch whose `test` op fails answers 422, as the API server does (kmock answers 500).
 
 Not emulated: schema validation/defaulting, strategic-merge of lists, field-ownership conflicts between
 managers, resourceVersion preconditions (optimistic locking), status stripped on create, controllers
@@ -38,6 +39,7 @@ from typing import Any
 
 import aiohttp.web
 import attrs
+import jsonpatch
 import kmock
 from kmock._internal import dicts, parsing, rendering
 
@@ -183,6 +185,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        try:
+            return await self._handle_emulated(request)
+        except jsonpatch.JsonPatchTestFailed as exc:
+            # The API server answers a JSON patch whose `test` op fails with 422 (kopf retries on its
+            # next cycle); kmock would answer 500 and kopf would retry the same stale patch.
+            raise kmock.KubernetesError(422, "Invalid", f"the object has been modified: {exc}") from exc
+
+    async def _handle_emulated(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
         if request.subresource == "scale" and request.action in (kmock.action.FETCH, kmock.action.UPDATE):
