@@ -29,7 +29,7 @@ async def wait_status(session: aiohttp.ClientSession, url: str, status: int, tim
 
 async def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_dir, tmp_path):
     port = free_port()
-    env = {**os.environ, "PAGODA_SERVED_MODEL_NAME": "tiny-served", "PAGODA_NUM_BLOCKS": "64",
+    env = {**os.environ, "PAGODA_SERVED_MODEL_NAME": "pagoda/tiny-served", "PAGODA_NUM_BLOCKS": "64",
            "PAGODA_MAX_MODEL_LEN": "256", "PAGODA_DRAIN_TIMEOUT": "30"}  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
@@ -42,8 +42,10 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_dir, tmp_pa
         async with aiohttp.ClientSession() as session:
             await wait_status(session, url + "/ready", 200, timeout=180)
             async with session.get(url + "/v1/models") as response:
-                assert (await response.json())["data"][0]["id"] == "tiny-served"  # from the environment
-            body = {"model": "tiny-served", "prompt": "Hello", "max_tokens": 150, "ignore_eos": True,
+                assert (await response.json())["data"][0]["id"] == "pagoda/tiny-served"  # from the environment
+            async with session.get(url + "/v1/models/pagoda/tiny-served") as response:
+                assert response.status == 200 and (await response.json())["id"] == "pagoda/tiny-served"
+            body = {"model": "pagoda/tiny-served", "prompt": "Hello", "max_tokens": 150, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
             stream = await session.post(url + "/v1/completions", json=body)
             assert stream.status == 200
