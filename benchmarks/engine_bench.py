@@ -52,6 +52,10 @@ def make_workload(n: int, vocab: int, seed: int, prompt_range=(16, 512), output_
     return Workload(prompts, outputs.tolist())
 
 
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def table(title: str, header: list[str], rows: list[list]) -> str:
     cells = [header] + [[f"{c:,.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -245,14 +249,24 @@ def hf_static(model, work: Workload, batch_size: int, pad_id: int) -> tuple[floa
     return time.perf_counter() - started, useful
 
 
-def hf_continuous(model, work: Workload) -> tuple[float, int]:
+def hf_continuous(model, work: Workload, kv_tokens: int) -> tuple[float, int]:
     """transformers' continuous batching manager (what `generate_batch` drives), with per-request max tokens."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1)
+    # Bound its cache like pagoda's (left alone it sizes the pool from free RAM: ~15 GB here).
+    tokens_needed = sum(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+    cb_config = ContinuousBatchingConfig(
+        page_size=256,
+        num_blocks=-(-kv_tokens // 256),
+        max_batch_tokens=2048,
+        max_requests_per_batch=len(work.prompts),
+    )
+    log(f"transformers continuous batching: cache {kv_tokens} token slots for {tokens_needed} tokens of work")
     started, tokens = time.perf_counter(), 0
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, timeout=5
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
     ) as manager:
         ids = [
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -291,14 +305,17 @@ def throughput_section(llm: LLM, work: Workload, run: dict, hf_model, args, resu
         [SamplingParams(temperature=0.0, max_tokens=args.split_tokens, ignore_eos=True)] * batch,
     )
     rest_64, n_steps = step_split(steady["steps"], batch)
+    log(f"pagoda: {run['elapsed_s']:.1f}s for the trace; steady batch-{batch} decode measured")
     rows = [["pagoda (offline engine)", produced, run["elapsed_s"], pagoda_tps, ""]]
     modes = {}
     if hf_model is not None:
         pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
         limit = min(args.hf_sequential_requests, len(work.prompts))
+        log(f"transformers sequential generate ({limit} requests) ...")
         seconds, tokens = hf_sequential(hf_model, work, limit)
         note = f"first {limit} requests" if limit < len(work.prompts) else ""
         modes["transformers sequential generate"] = (tokens, seconds, note)
+        log("transformers static batching ...")
         seconds, tokens = hf_static(hf_model, work, args.static_batch_size, pad_id)
         modes[f"transformers static batching (padded, batch {args.static_batch_size})"] = (
             tokens,
@@ -306,7 +323,9 @@ def throughput_section(llm: LLM, work: Workload, run: dict, hf_model, args, resu
             "useful tokens",
         )
         try:
-            seconds, tokens = hf_continuous(hf_model, work)
+            log("transformers continuous batching ...")
+            kv_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+            seconds, tokens = hf_continuous(hf_model, work, kv_tokens)
             modes["transformers continuous batching"] = (tokens, seconds, "")
         except Exception as exc:  # report, do not hide: the table says it failed
             modes["transformers continuous batching"] = (
@@ -443,6 +462,7 @@ def main() -> int:
     }
     report = [f"# pagoda engine benchmark — {loaded.name}, fp32, CPU, {torch.get_num_threads()} threads"]
     if sections & {"memory", "throughput"}:
+        log(f"pagoda: {args.num_requests}-request trace ...")
         work, run, peak = trace_run(llm, args)
     if "memory" in sections:
         report.append(memory_section(llm, work, peak, args, results))

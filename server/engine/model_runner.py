@@ -202,8 +202,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not its launch
         self.timings.prepare_s += prepared - started
         self.timings.forward_s += time.perf_counter() - prepared
         sampled = [item for item in out.scheduled if item.completes]
-        return logits.float(), sampled
+        # Sampling runs on the CPU: per-request CPU generators give the same tokens on any device.
+        return logits.float().cpu(), sampled
