@@ -189,3 +189,19 @@ def test_several_prompts_in_one_request(client):
     )
     assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
     assert response.usage.completion_tokens == 12
+
+
+def test_several_prompts_streamed(client):
+    kwargs = {"model": model_name(client), "prompt": ["Hello", "Once upon a time"], "max_tokens": 4, "n": 2,
+              "temperature": 0, "extra_body": EXACT}  # fmt: skip
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}  # greedy: both n=2 choices alike per prompt
+    assert reasons == dict.fromkeys(range(4), "length")
