@@ -52,7 +52,7 @@ def test_tiny_family_greedy_parity(tiny, family):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_chosen_token_logprobs_match_transformers(tiny, family):
     pair = tiny(family)
     llm = pair.llm()
@@ -64,6 +64,17 @@ def test_chosen_token_logprobs_match_transformers(tiny, family):
     reference = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
     for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs, strict=True)):
         assert entry[token] == pytest.approx(reference[step, token].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_chunked_prefill_and_small_blocks_keep_parity(tiny, family):
+    """Mistral's sliding window (8) and Qwen3 across 5-token chunks and 4-token blocks."""
+    pair = tiny(family)
+    llm = pair.llm(block_size=4, max_num_batched_tokens=5)
+    prompts = random_prompts(pair.loaded.hf_config.vocab_size, [9, 23, 40], seed=4)
+    outputs = run_staggered(llm.engine, prompts, SamplingParams(temperature=0.0, max_tokens=8), waves=(1, 1))
+    for i, ids in enumerate(prompts):
+        assert outputs[str(i)].outputs[0].token_ids == pair.hf_greedy(ids, 8)
 
 
 SMOL_PROMPTS = [
