@@ -69,11 +69,10 @@ async def create_chat_completion(request: web.Request, state: ServerState, body:
     with state.admit() as engine:
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            prompt_text = engine.apply_chat_template(messages, add_generation_prompt=True)
+            # The same tokens as the offline `LLM.chat`.
+            prompt = engine.encode_chat(messages)
         except Exception as exc:  # templates raise on conversations they do not support
             raise bad_request(f"messages: the chat template refused them: {exc}", param="messages") from None
-        # Tokenized exactly like the offline `LLM.chat`, so both give the same tokens.
-        prompt = engine.tokenizer.encode(prompt_text)
         ids = ResponseIds("chatcmpl", state.model_name)
         formatter = ChatFormatter(ids, TokenText(engine.tokenizer), req.top_logprobs)
         return await serve_generation(request, state, req, [prompt], ids, formatter, "chat.completion.chunk")

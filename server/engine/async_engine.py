@@ -71,10 +71,8 @@ class AsyncLLMEngine:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.engine.encode_chat(messages)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:

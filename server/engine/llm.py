@@ -58,8 +58,4 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the model's chat template applies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in conversations
-        ]
-        return self.generate(prompts, params)
+        return self.generate([self.engine.encode_chat(c) for c in conversations], params)

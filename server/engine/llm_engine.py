@@ -89,6 +89,12 @@ class LLMEngine:
             logger.info(line)
 
     # ---- requests ---------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids of a conversation through the model's chat template. The tokenizer adds
+        no special tokens of its own: the template writes BOS where the model wants one."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def make_request(
         self,
         request_id: str,
