@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from pagoda.server.engine.config import EngineArgs
@@ -20,6 +21,8 @@ from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.sequence import Request
 
 logger = logging.getLogger(__name__)
+
+IDLE_ADMISSION_WAIT_S = 0.003  # negligible next to a model step, even on a GPU
 
 
 class EngineDeadError(RuntimeError):
@@ -141,9 +144,18 @@ class AsyncLLMEngine:
         try:
             while True:
                 with self._lock:
+                    was_idle = False
                     while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
                         self._refresh_stats(alive=True)
                         self._wake.wait()
+                        was_idle = True
+                    if was_idle:
+                        # Requests arrive in bursts (clients whose requests finished in one step
+                        # send their next ones together): a moment's wait lets the whole burst share
+                        # the first prefill instead of the rest waiting a full step.
+                        deadline = time.monotonic() + IDLE_ADMISSION_WAIT_S
+                        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                            self._wake.wait(left)
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
