@@ -1,6 +1,6 @@
 """The local end-to-end run: the real operator scaling real serving processes, on one machine.
 
-    python -m e2e.local [--out e2e/out] [--prometheus]
+    python e2e/local.py [--out e2e/out] [--prometheus]
 
 Stand-ins for a cluster (see e2e/README.md): kmock's Kubernetes emulator (tests/support/kube_emulator.py)
 serves the API on loopback; the real `pagoda operator` runs as a process against it (a kubeconfig);
@@ -31,7 +31,10 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the emulator and the tiny model builder live with the tests
+# The emulator and the tiny model builder live with the tests; `e2e` is a folder of the repo, not of
+# the installed package. Added now, after the stdlib is loaded, so the repo's `operator/` folder
+# cannot shadow the stdlib module (why scripts run with PYTHONSAFEPATH).
+sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
@@ -47,7 +50,7 @@ CR_PATH = f"/apis/{crd.API_VERSION}/namespaces/{NAMESPACE}/{crd.PLURAL}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m e2e.local", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python e2e/local.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "e2e" / "out", help="where logs, plot and results go")
     p.add_argument("--num-blocks", type=int, default=16,
                    help="KV blocks per server (16 tokens each): 16 hold one request of the default size")
