@@ -68,11 +68,10 @@ class TorchReferenceBackend:
         visible = positions[None, :] < lengths
         if sliding_window is not None:
             visible &= positions[None, :] >= lengths - sliding_window
-        # Slots past each context (other sequences' data, garbage, NaN) must not reach the matmuls:
-        # 0 * NaN would still poison the output.
-        hidden = ~visible[:, :, None, None]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0)  # [B, L, KVH, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(hidden, 0)
+        # Slots past each context may hold anything (other sequences' data, NaN). Their scores are
+        # overwritten with -inf below, so K needs no cleaning; V does, since 0 * NaN is still NaN.
+        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(~visible[:, :, None, None], 0)
         compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
         q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, k.to(compute).permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
