@@ -173,13 +173,18 @@ class LLMEngine:
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
+        self.scheduler.finish_request(request)
+        return self._finish_aborted(request)
+
+    def _finish_aborted(self, request: Request) -> RequestOutput:
+        """Mark a request whose blocks are already freed as aborted and forget it."""
         for seq in request.live_seqs():
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
-        self.scheduler.finish_request(request)
+        self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
         return request.to_output()
 
@@ -189,8 +194,11 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        for request in out.unservable:
+            logger.error("request %s: the whole KV cache pool cannot hold it; aborted", request.request_id)
+        dropped = [self._finish_aborted(request) for request in out.unservable]
         if out.empty:
-            return []
+            return dropped
         now = time.monotonic()
         for item in out.scheduled:
             if item.request.metrics.first_scheduled_time is None:
@@ -200,7 +208,7 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
         touched = self._process(logits, sampled)
-        outputs = []
+        outputs = dropped
         now = time.monotonic()
         for request in touched:
             if request.finished:

@@ -37,6 +37,8 @@ class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_preempted: int = 0
+    # Requests dropped because the whole pool cannot hold them (their blocks are already freed).
+    unservable: list[Request] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -124,10 +126,12 @@ class Scheduler:
                 while not bm.can_allocate(seq, num_new):
                     victim = self.running[-1]
                     if victim is request and len(self.running) == 1:
-                        raise RuntimeError(
-                            f"request {request.request_id}: the KV cache pool ({bm.num_blocks} blocks) "
-                            "cannot hold this request's sequences"
-                        )
+                        # Alone and still out of blocks: waiting cannot help. The up-front size check
+                        # should make this unreachable; drop the request rather than stop the engine.
+                        self.finish_request(request)
+                        out.unservable.append(request)
+                        preempted_self = True
+                        break
                     self._preempt(victim)
                     out.num_preempted += 1
                     if victim is request:
@@ -146,7 +150,7 @@ class Scheduler:
                 break
             index += 1
 
-        if not out.num_preempted:
+        if not out.num_preempted and not out.unservable:
             self._admit(chosen, budget, out)
 
         for item in chosen:

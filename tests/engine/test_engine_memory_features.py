@@ -156,3 +156,23 @@ def test_engine_logs_capacity_at_start(llama, caplog):
         llama.llm(block_size=16, num_blocks=100)
     text = caplog.text
     assert "KV cache capacity: 1,600 tokens" in text and "bytes per token" in text
+
+
+def test_a_request_the_whole_pool_cannot_hold_is_aborted_and_the_engine_goes_on(llama, monkeypatch):
+    """The up-front size check refuses such requests; this bypasses it to exercise the scheduler's
+    backstop, which must drop the request (finish_reason "abort", blocks freed), not raise."""
+    llm = llama.llm(block_size=4, num_blocks=4, enable_prefix_caching=False)  # 16 slots
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    monkeypatch.setattr(engine, "_check_fits", lambda *args: None)
+    engine.add_request("too-long", list(range(5, 15)), params)  # 10 + 30 tokens > 16 slots
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step()})
+    dropped = outputs["too-long"]
+    assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
+    assert 0 < len(dropped.outputs[0].token_ids) < 30
+    assert engine.block_manager.num_used_blocks == 0
+    monkeypatch.undo()
+    fits = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(fits[0].outputs[0].token_ids) == 8
