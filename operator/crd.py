@@ -213,6 +213,8 @@ STATUS = _obj("What the operator observes.", {
     "ready": _str("readyReplicas/spec.replicas, for `kubectl get`."),
     "selector": _str("Label selector of the serving pods (for the scale subresource)."),
     "endpoint": _str("OpenAI base URL inside the cluster."),
+    "model": _str("The model name clients send (OpenAI `model`): spec.model.servedName, the uri's last "
+                  "part, or the embedded model's name."),
     "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ServiceMonitor.",
                    "items": CONDITION, "x-kubernetes-list-type": "map",
                    "x-kubernetes-list-map-keys": ["type"]},
@@ -238,12 +240,15 @@ STATUS = _obj("What the operator observes.", {
 })
 
 PRINTER_COLUMNS = [
-    {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model",
+     "description": "The name clients send as OpenAI `model`"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
     {"name": "KV", "type": "number", "jsonPath": ".status.kvCache.usage",
      "description": "Mean KV-cache usage, 0-1"},
     {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Source", "type": "string", "jsonPath": ".spec.model.uri", "priority": 1,
+     "description": "Where the weights come from (empty: the embedded model)"},
 ]
 
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +87,24 @@ def weights_claim(name: str) -> str:
     return f"{name}-weights"
 
 
-def served_name(spec: dict[str, Any]) -> str | None:
+# What `pagoda serve` names the model embedded in the serving image (it names it after the GGUF file).
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_name(spec: Mapping[str, Any]) -> str | None:
     """The OpenAI model name: spec.model.servedName, else the uri's last path part without @revision;
     None for the embedded model (the server names it after the model)."""
-    if spec["model"].get("servedName"):
-        return spec["model"]["servedName"]
-    if not spec["model"].get("uri"):
+    model = spec.get("model") or {}
+    if model.get("servedName"):
+        return model["servedName"]
+    if not model.get("uri"):
         return None
-    return spec["model"]["uri"].split("://", 1)[1].split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    return model["uri"].split("://", 1)[1].split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def client_model_name(spec: Mapping[str, Any]) -> str:
+    """The `model` clients send, whichever source the weights come from."""
+    return served_name(spec) or EMBEDDED_SERVED_NAME
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:

@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.operator.render import DOWNLOAD_CONTAINER, SERVER_CONTAINER, Owner, endpoint, selector_string
+from pagoda.operator.render import (
+    DOWNLOAD_CONTAINER,
+    SERVER_CONTAINER,
+    Owner,
+    client_model_name,
+    endpoint,
+    selector_string,
+)
 
 PULL_FAILURES = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_FAILURES = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
@@ -204,6 +211,7 @@ def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, g
         "ready": f"{ready}/{desired}",
         "selector": selector_string(owner),
         "endpoint": endpoint(owner) if ready > 0 else None,
+        "model": client_model_name(spec),
         "conditions": with_transition_times(conditions, old_conditions, now, generation),
     }
     return status

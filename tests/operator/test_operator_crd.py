@@ -40,7 +40,8 @@ def test_crd_names_scale_and_printer_columns():
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns["KV"] == ".status.kvCache.usage" and columns["Model"] == ".spec.model.uri"
+    assert columns["KV"] == ".status.kvCache.usage" and columns["Model"] == ".status.model"
+    assert columns["Source"] == ".spec.model.uri"
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for path in columns.values():  # every column reads a field the schema declares
         parts = path.lstrip(".").split("[")[0].split(".")

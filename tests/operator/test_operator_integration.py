@@ -123,6 +123,7 @@ async def test_ready_pods_make_it_ready_with_endpoint(k8s):
         assert ready["reason"] == "AllReplicasReady"
         status = live(k8s, CR, "llm")["status"]
         assert status["endpoint"] == f"http://llm.{NS}.svc:8000/v1" and status["ready"] == "1/1"
+        assert status["model"] == "model"  # what clients send: the uri's last part
         assert condition(k8s, "llm", "Degraded")["status"] == "False"
         await eventually(lambda: any(e["reason"] == "Ready" and e["type"] == "Normal" for e in events(k8s)),
                          what="Ready event")

@@ -167,6 +167,15 @@ def test_user_env_replaces_ours_in_place():
     ("hf://org/Model-7B@v2", "Model-7B"), ("pvc://claim/dir/qwen", "qwen"), ("file:///weights/tiny/", "tiny")])
 def test_served_name_defaults_to_the_model_folder(uri, served):
     assert render.served_name({"model": {"uri": uri}}) == served
+    assert render.client_model_name({"model": {"uri": uri}}) == served
+    assert render.client_model_name({"model": {"uri": uri, "servedName": "chat"}}) == "chat"
+
+
+def test_the_embedded_model_is_named_as_the_server_names_it():
+    from pagoda.server.engine.loader import resolve_model_source
+
+    assert render.served_name({"model": {}}) is None  # the pod gets no PAGODA_SERVED_MODEL_NAME
+    assert render.client_model_name({"model": {}}) == resolve_model_source(None).name
 
 
 def test_every_pagoda_variable_is_a_pagoda_serve_flag():

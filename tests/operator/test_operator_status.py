@@ -106,6 +106,7 @@ def test_status_fields_and_endpoint_only_when_serving():
     assert serving["endpoint"] == "http://llm.ml.svc:8000/v1" and serving["ready"] == "1/1"
     assert serving["selector"] == "app.kubernetes.io/component=inference,serving.pagoda.dev/inferenceservice=llm"
     assert serving["observedGeneration"] == 4
+    assert serving["model"] == "SmolLM2-135M-Instruct"  # no model in the spec: the embedded one
     assert all(c["observedGeneration"] == 4 for c in serving["conditions"])
     assert compute(status.Observation(deployment(ready=0), []))["endpoint"] is None
 
