@@ -102,11 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     started = time.monotonic()
+
+    def checkpoint() -> None:
+        write_report(report, args.out)
+        print(
+            f"[{time.monotonic() - started:5.0f} s] {len(report.checks)} checks "
+            f"({sum(not c['ok'] for c in report.checks)} failed), {len(report.timings)} timings",
+            flush=True,
+        )
+
     try:
         if args.smoke:
             run_smoke(report, device)
         else:
-            run_full(report, device, engine=not args.no_engine)
+            run_full(report, device, engine=not args.no_engine, checkpoint=checkpoint)
     except Exception:  # a one-shot GPU run still leaves everything measured so far, and why it stopped
         report.notes.append("CRASHED:\n```\n" + traceback.format_exc() + "```")
         report.checks.append(
@@ -275,7 +284,8 @@ def run_smoke(report: Report, device) -> None:
     report.notes.append("smoke mode: correctness only, at tiny sizes; nothing timed")
 
 
-def run_full(report: Report, device, engine: bool) -> None:
+def run_full(report: Report, device, engine: bool, checkpoint=lambda: None) -> None:
+    """`checkpoint()` after each section: a run killed at its time limit still leaves its numbers."""
     import torch
     import triton.testing
     from pagoda.kernels.triton_backend import TritonBackend
@@ -297,6 +307,7 @@ def run_full(report: Report, device, engine: bool) -> None:
     free_bytes = torch.cuda.mem_get_info(device)[0]
 
     check_poisoned(report, backend, device, dtype, POISONED_LENS)
+    checkpoint()
 
     for tokens in STORE_TOKENS:
         check_store(report, f"{tokens} tokens", backend, tokens, dtype, device, generator)
@@ -307,6 +318,7 @@ def run_full(report: Report, device, engine: bool) -> None:
         moved = 2 * 2 * key.numel() * element  # read and write, K and V
         report.timings.append(timing("store_kv", f"{tokens} tokens", seconds, moved, report))
         del cache, key
+    checkpoint()
 
     for context in DECODE_CONTEXTS:
         for batch in DECODE_BATCHES:
@@ -338,12 +350,16 @@ def run_full(report: Report, device, engine: bool) -> None:
                 seconds = bench(lambda v=variant, a=args: v.paged_decode_attention(*a))
                 report.timings.append(timing("decode", f"{name}, {label}", seconds, kv_bytes, report))
             del cache, query, args
+        checkpoint()
 
     sweep_decode(report, bench, device, dtype, generator)
+    checkpoint()
 
     for seqs, q_len, context in PREFILL_CASES:
         time_prefill(report, bench, device, dtype, generator, backend, seqs, q_len, context)
+        checkpoint()
     sweep_prefill(report, bench, device, dtype, generator)
+    checkpoint()
 
     if engine:
         torch.cuda.empty_cache()
