@@ -59,6 +59,13 @@ class LLMEngine:
             batch_tokens = DEFAULT_CHUNKED_BATCH_TOKENS
         else:
             batch_tokens = max(DEFAULT_CHUNKED_BATCH_TOKENS, self.max_model_len)
+        if not args.enable_chunked_prefill and batch_tokens < self.max_model_len:
+            # Without chunks a preempted sequence is recomputed in one step: it must always fit.
+            raise ValueError(
+                f"max_num_batched_tokens: {batch_tokens} is below max_model_len {self.max_model_len}; "
+                "without chunked prefill a sequence must fit in one step (enable chunked prefill, "
+                "raise the limit or lower max_model_len)"
+            )
         self.max_num_batched_tokens = batch_tokens
         model = loaded.model
         self.spec = KVCacheSpec(
@@ -119,11 +126,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len}"
-            )
-        if not self.engine_args.enable_chunked_prefill and len(prompt_ids) > self.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens exceed max_num_batched_tokens {self.max_num_batched_tokens} "
-                "(enable chunked prefill or raise the limit)"
             )
         width = params.beam_width if params.use_beam_search else params.n
         if width > self.scheduler.max_num_seqs:
@@ -260,7 +262,15 @@ class LLMEngine:
                     request, seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
                 )
         for request, beam_seqs, beam_rows in beam_items:
-            self._beam_step(request, beam_seqs, logits[beam_rows])
+            # Beam search ranks all beams together. A beam whose logits come early (the others still
+            # recomputing after a preemption, or left out of a full step's token budget) waits for them.
+            for seq, row in zip(beam_seqs, beam_rows, strict=True):
+                request.pending_beam_logits[seq.index] = logits[row].clone()
+            beams = request.live_seqs()
+            if all(beam.index in request.pending_beam_logits for beam in beams):
+                ready = torch.stack([request.pending_beam_logits[beam.index] for beam in beams])
+                request.pending_beam_logits.clear()
+                self._beam_step(request, beams, ready)
         return list(touched.values())
 
     def _fork(self, request: Request) -> None:

@@ -96,6 +96,7 @@ class Request:
         self.prefix_lookup_done = False
         self.finished_beams: list[tuple[float, Sequence]] = []  # beam search: (score, hypothesis), best first
         self.beam_improvable = True  # beam search: can running beams still beat the finished ones?
+        self.pending_beam_logits: dict[int, torch.Tensor] = {}  # beam search: beam index -> its logits
         self.aborted = False
 
     @property

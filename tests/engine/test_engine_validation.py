@@ -75,3 +75,12 @@ def test_more_sequences_than_batch_seats_is_refused(llama):
         llm.generate([[5, 6, 7]], SamplingParams(n=4))
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3, seed=0))
     assert len(out.outputs) == 2 and all(len(o.token_ids) == 3 for o in out.outputs)
+
+
+def test_unchunked_step_budget_below_max_model_len_is_refused_at_start(llama):
+    """Without chunked prefill a preempted sequence is recomputed in one step, so a budget below
+    max_model_len could stall the waiting queue forever: refuse it up front."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens: 64 is below max_model_len 128"):
+        llama.llm(max_num_batched_tokens=64, enable_chunked_prefill=False, max_model_len=128)
+    llm = llama.llm(max_num_batched_tokens=128, enable_chunked_prefill=False, max_model_len=128)
+    assert llm.engine.max_num_batched_tokens == 128
