@@ -476,6 +476,21 @@ def time_engine_decode(report: Report, device) -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_random_llama(Path(folder), device)
         loaded = load_model(folder, dtype="bfloat16", device=device)
+        # The pool sizing a server does at start (on CUDA: a profiling forward of a full step).
+        sized = LLMEngine(
+            EngineArgs(model=folder, dtype="bfloat16", device=str(device), gpu_memory_utilization=0.5,
+                       kv_cache_memory=64 << 20, seed=0),
+            loaded=loaded,
+        )  # fmt: skip
+        pool = sized.block_manager
+        report.notes.append(
+            f"engine KV pool sized at gpu_memory_utilization 0.5: {pool.num_blocks} blocks of "
+            f"{pool.block_size} tokens ({pool.num_blocks * pool.block_size} tokens, "
+            f"{pool.num_blocks * sized.spec.bytes_per_block / 2**30:.2f} GiB)"
+        )
+        del sized, pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         for batch in ENGINE_BATCHES:
             blocks = batch * (-(-(ENGINE_PROMPT + ENGINE_STEPS + 1) // BLOCK_SIZE)) + 8
             engine = LLMEngine(

@@ -49,6 +49,7 @@ def test_bench_full_mode_runs_every_path(tiny_bench, tmp_path):
     assert any("sweep" in t["case"] for t in report.timings if t["kernel"] == "prefill")
     assert all("tflops" in t for t in report.timings if t["kernel"] == "prefill")
     assert report.engine and report.engine[0]["decode_steps"] >= 1, report.notes
+    assert any(note.startswith("engine KV pool sized") for note in report.notes)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["passed"] is True
     assert "| prefill |" in (tmp_path / "bench.md").read_text()
