@@ -265,7 +265,7 @@ class LLMEngine:
             # Beam search ranks all beams together. A beam whose logits come early (the others still
             # recomputing after a preemption, or left out of a full step's token budget) waits for them.
             for seq, row in zip(beam_seqs, beam_rows, strict=True):
-                request.pending_beam_logits[seq.index] = logits[row].clone()
+                request.pending_beam_logits[seq.index] = logits[row].to("cpu", copy=True)  # ranked on CPU
             beams = request.live_seqs()
             if all(beam.index in request.pending_beam_logits for beam in beams):
                 ready = torch.stack([request.pending_beam_logits[beam.index] for beam in beams])

@@ -206,5 +206,4 @@ class ModelRunner:
         self.timings.prepare_s += prepared - started
         self.timings.forward_s += time.perf_counter() - prepared
         sampled = [item for item in out.scheduled if item.completes]
-        # Sampling runs on the CPU: per-request CPU generators give the same tokens on any device.
-        return logits.float().cpu(), sampled
+        return logits.float(), sampled  # on the model's device: the sampler moves only what it must

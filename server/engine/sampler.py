@@ -4,6 +4,10 @@ sampling with per-request generators, and log-probabilities.
 Sampling uses the exponential race (argmax of p / Exp(1) noise), so every row draws exactly one
 noise vector per step: a seeded request draws it from its own generator and gets the same tokens
 whatever else is in the batch.
+
+Penalties, greedy choice and log-probabilities run where the logits are (the GPU on CUDA); only the
+rows that sample go to the CPU, where the per-request CPU generators give the same tokens on any
+device. A greedy batch moves a few numbers per row, not [rows, vocab] logits.
 """
 
 from __future__ import annotations
@@ -82,9 +86,12 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            chosen[random_rows] = self._sample(
-                logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            sampled = self._sample(
+                logits[random_rows].cpu(),
+                [params[i] for i in random_rows],
+                [generators[i] for i in random_rows],
             )
+            chosen[random_rows] = sampled.to(chosen.device)
         chosen_list = chosen.tolist()
         chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
         top: list[dict[int, float] | None] = [None] * len(params)
