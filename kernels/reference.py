@@ -7,6 +7,7 @@ from a per-sequence contiguous cache kept on the side.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -17,17 +18,18 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.flatten(0, 1)[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
-    """q [q_len, H, D], k/v [kv_len, KVH, D]; GQA by repeating KV heads. Computes in fp32."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_heads != num_kv_heads:
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor):
+    """q [q_len, H, D], k/v [kv_len, KVH, D], mask [q_len, kv_len] (True = attend). Computes in fp32
+    with torch's fused attention (GQA without repeating K and V), returns q's dtype."""
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -38,6 +40,37 @@ def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) ->
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+def _decode_padded(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window):
+    """Decode attention for a batch at once: gather every sequence's blocks, mask past each length."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    # Table entries past a sequence's last block may hold any value: clamp them into range.
+    tables = block_tables[:, : (max_len + block_size - 1) // block_size]
+    tables = tables.clamp(min=0, max=k_cache.shape[0] - 1).long()
+    positions = torch.arange(max_len, device=query.device)
+    lengths = context_lens.to(query.device).long()[:, None]
+    visible = positions[None, :] < lengths
+    if sliding_window is not None:
+        visible &= positions[None, :] >= lengths - sliding_window
+    # Slots past each context may hold anything (other sequences' data, NaN). Their scores are
+    # overwritten with -inf below, so K needs no cleaning; V does, since 0 * NaN is still NaN.
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(compute)  # [B, L, KVH, D], a fresh gather
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(compute)
+    v.masked_fill_(~visible[:, :, None, None], 0)
+    q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
+    hidden = ~visible[:, None, :]
+    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=compute, device=query.device)
+    for head in range(num_kv_heads):
+        # k[:, :, head] is a strided [B, L, D] view that batched matmul reads in place (no copy).
+        scores = torch.matmul(q[:, head], k[:, :, head].transpose(1, 2)) * scale  # [B, G, L]
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        out[:, head] = torch.matmul(probs, v[:, :, head])
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 class TorchReferenceBackend:
@@ -55,30 +88,27 @@ class TorchReferenceBackend:
     def paged_decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
     ):
-        # Batched: gather every sequence's blocks at once, mask the tail past each context length.
-        num_seqs, num_heads, head_dim = query.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        max_len = int(context_lens.max())
-        # Table entries past a sequence's last block may hold any value: clamp them into range.
-        tables = block_tables[:, : (max_len + block_size - 1) // block_size]
-        tables = tables.clamp(min=0, max=k_cache.shape[0] - 1).long()
-        positions = torch.arange(max_len, device=query.device)
-        lengths = context_lens.to(query.device).long()[:, None]
-        visible = positions[None, :] < lengths
-        if sliding_window is not None:
-            visible &= positions[None, :] >= lengths - sliding_window
-        # Slots past each context may hold anything (other sequences' data, NaN). Their scores are
-        # overwritten with -inf below, so K needs no cleaning; V does, since 0 * NaN is still NaN.
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].masked_fill(~visible[:, :, None, None], 0)
-        compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-        q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.to(compute).permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.to(compute).permute(0, 2, 1, 3))  # [B, KVH, G, D]
-        return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+        # Sequences are padded to the longest of their batch, so one long context would make every
+        # short one pay for it: batch sequences of similar length together (lengths within 2x).
+        lengths = context_lens.tolist()
+        groups: dict[int, list[int]] = {}
+        for row, length in enumerate(lengths):
+            groups.setdefault(max(length - 1, 0).bit_length(), []).append(row)
+        if len(groups) == 1:
+            return _decode_padded(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+        out = torch.empty_like(query)
+        for rows in groups.values():
+            index = torch.tensor(rows, device=query.device)
+            out[index] = _decode_padded(
+                query[index],
+                k_cache,
+                v_cache,
+                block_tables[index],
+                context_lens[index],
+                scale,
+                sliding_window,
+            )
+        return out
 
     def paged_prefill_attention(
         self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None
