@@ -70,6 +70,16 @@ def validate_params(params: SamplingParams) -> None:
 _DONE = object()
 
 
+def engine_aborted() -> APIError:
+    return APIError(
+        503,
+        "The engine aborted this request: its sequences no longer fit in the KV cache pool, or the "
+        "server is shutting down. Retry, or lower max_tokens / n.",
+        type="server_error",
+        code="engine_aborted",
+    )
+
+
 async def generate_all(
     state: ServerState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -88,6 +98,10 @@ async def generate_all(
         try:
             async for output in engine.generate(prompt, prompt_params, engine_request_id):
                 tracker.update(output)
+                if output.finished and any(c.finish_reason == "abort" for c in output.outputs):
+                    # Not the client's doing (its leaving cancels this task): the engine dropped it.
+                    queue.put_nowait((index, engine_aborted()))
+                    return
                 queue.put_nowait((index, output))
         except asyncio.CancelledError:
             tracker.finish("abort")
@@ -152,7 +166,8 @@ def usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    # OpenAI knows "stop" and "length"; an engine-side abort ends the choice like a stop.
+    # OpenAI knows "stop" and "length". A request the engine aborts is answered with an error instead;
+    # a sequence of it that ended before (n > 1) keeps its own reason.
     return "stop" if reason == "abort" else reason
 
 

@@ -118,3 +118,21 @@ async def test_dead_engine_loop_fails_liveness_and_answers_503(start_server, htt
     assert health.status == 503 and "not running" in health.json()["status"]
     refused = await asyncio.to_thread(http_request, server.url, "POST", "/v1/completions", {"prompt": "x"})
     assert refused.status == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_request_the_engine_aborts_is_an_error_not_a_short_answer(start_server, http_request, monkeypatch):
+    """The up-front size check answers such requests 400 before they reach the engine; this bypasses it
+    to reach the engine's own backstop (a sequence the whole pool cannot hold is aborted)."""
+    server = start_server(num_blocks=4)  # 64 token slots
+    monkeypatch.setattr(server.state.engine.engine, "_check_fits", lambda *args: None)
+    too_long = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+    answer = http_request(server.url, "POST", "/v1/completions", too_long)
+    assert answer.status == 503 and answer.json()["error"]["code"] == "engine_aborted"
+    streamed = http_request(server.url, "POST", "/v1/completions", {**too_long, "stream": True})
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status == 200 and events[-1] == "[DONE]"
+    assert '"engine_aborted"' in events[-2] and all('"error"' not in e for e in events[:-2])
+    monkeypatch.undo()
+    fits = http_request(server.url, "POST", "/v1/completions", {**too_long, "max_tokens": 5})
+    assert fits.status == 200 and fits.json()["usage"]["completion_tokens"] == 5
+    assert server.stats().num_blocks_used == 0
