@@ -122,7 +122,12 @@ ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment
     "seed": _int("Seed for requests without their own.", minimum=0),
     "extraArgs": {"type": "array", "description": "Extra `pagoda serve` arguments, appended verbatim.",
                   "items": {"type": "string", "maxLength": 1024}, "maxItems": 64},
-})
+}, **{"x-kubernetes-validations": [
+    # The engine refuses this at start (a preempted sequence is recomputed in one unchunked step).
+    {"rule": "!has(self.enableChunkedPrefill) || self.enableChunkedPrefill || !has(self.maxNumBatchedTokens)"
+             " || !has(self.maxModelLen) || self.maxNumBatchedTokens >= self.maxModelLen",
+     "message": "without chunked prefill, maxNumBatchedTokens must be at least maxModelLen"},
+]})
 
 ENV_VAR = _obj("An extra environment variable (value or valueFrom, as in a Pod).", {
     "name": _str("Variable name.", pattern=ENV_NAME_PATTERN, maxLength=256),
