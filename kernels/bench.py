@@ -55,6 +55,17 @@ ENGINE_MODEL = dict(
     max_position_embeddings=8192,
 )
 ENGINE_BATCHES = (1, 32, 128)
+# A small Llama for the engine's Triton-vs-torch greedy check (GQA 4, head_dim 64).
+CHECK_MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=1024,
+)
+CHECK_TOKENS = 16
 ENGINE_PROMPT, ENGINE_STEPS = 512, 32
 
 
@@ -364,9 +375,11 @@ def run_full(report: Report, device, engine: bool, checkpoint=lambda: None) -> N
     if engine:
         torch.cuda.empty_cache()
         try:
+            check_engine_greedy(report, device)
+            checkpoint()
             time_engine_decode(report, device)
         except Exception:  # the engine is another team's code: its failure must not hide the kernels'
-            report.notes.append("engine decode step FAILED:\n```\n" + traceback.format_exc() + "```")
+            report.notes.append("engine FAILED:\n```\n" + traceback.format_exc() + "```")
 
 
 def sweep_decode(report: Report, bench, device, dtype, generator) -> None:
@@ -459,6 +472,50 @@ def measure_matmul_tflops(bench, device) -> float:
 # ---- end to end -----------------------------------------------------------------------------------
 
 
+def check_engine_greedy(report: Report, device) -> None:
+    """The engine end to end on the device: greedy tokens on the Triton path equal the torch path's
+    (fp32, a small random Llama; chunked prefill and a prefix-cache hit included)."""
+    import torch
+    from pagoda.server.engine.llm import LLM
+    from pagoda.server.engine.loader import load_model
+    from pagoda.server.engine.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, CHECK_MODEL["vocab_size"], (40,), generator=generator).tolist()
+    prompts = [
+        shared + torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist()
+        for n in (1, 7, 33, 90)
+    ] + [torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist() for n in (5, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True)
+    tokens = {}
+    previous = os.environ.get("PAGODA_ATTENTION_BACKEND")
+    with tempfile.TemporaryDirectory() as folder:
+        save_random_llama(Path(folder), device, CHECK_MODEL, torch.float32)
+        try:
+            for backend in ("torch", "triton"):
+                os.environ["PAGODA_ATTENTION_BACKEND"] = backend
+                loaded = load_model(folder, dtype="float32", device=device)  # layers pick their backend
+                llm = LLM(loaded=loaded, device=str(device), block_size=BLOCK_SIZE,
+                          max_num_batched_tokens=64, num_blocks=256)  # fmt: skip
+                llm.generate(prompts[:1], params)  # caches the shared prefix for the others
+                tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+                del llm, loaded
+        finally:
+            if previous is None:
+                os.environ.pop("PAGODA_ATTENTION_BACKEND", None)
+            else:
+                os.environ["PAGODA_ATTENTION_BACKEND"] = previous
+    differing = sum(a != b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
+    report.checks.append(
+        {
+            "kernel": "engine",
+            "case": f"greedy tokens, triton vs torch path (fp32, {len(prompts)} prompts x {CHECK_TOKENS})",
+            "rel_err": differing / len(prompts),  # the share of prompts whose tokens differ
+            "ok": differing == 0,
+        }
+    )
+
+
 def time_engine_decode(report: Report, device) -> None:
     """Median engine step time once every sequence is decoding, on a random-weight 1B-class Llama."""
     try:
@@ -538,17 +595,17 @@ def time_engine_decode(report: Report, device) -> None:
             torch.cuda.empty_cache()
 
 
-def save_random_llama(folder: Path, device) -> None:
-    """A random-weight Llama-3.2-1B-shaped HF folder with a local word-level tokenizer over the
-    whole vocabulary (any sampled id decodes)."""
+def save_random_llama(folder: Path, device, shape: dict | None = None, dtype=None) -> None:
+    """A random-weight Llama HF folder (default: Llama-3.2-1B-shaped, bf16) with a local word-level
+    tokenizer over the whole vocabulary (any sampled id decodes)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    config = LlamaConfig(**ENGINE_MODEL, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(**(shape or ENGINE_MODEL), bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     with torch.device(device):  # random init is slow on the CPU for 1B parameters
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(dtype or torch.bfloat16)
     model.save_pretrained(folder)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))

@@ -24,6 +24,9 @@ def tiny_bench(monkeypatch):
         "PREFILL_TARGET": (1, 12, 20), "PREFILL_SWEEP": ((32, 16),),
         "ENGINE_MODEL": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128),
+        "CHECK_MODEL": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=300, max_position_embeddings=512),
+        "CHECK_TOKENS": 3,
     }.items():  # fmt: skip
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "measure_copy_gbps", lambda run, device: 1000.0)
@@ -50,6 +53,7 @@ def test_bench_full_mode_runs_every_path(tiny_bench, tmp_path):
     assert all("tflops" in t for t in report.timings if t["kernel"] == "prefill")
     assert report.engine and report.engine[0]["decode_steps"] >= 1, report.notes
     assert any(note.startswith("engine KV pool sized") for note in report.notes)
+    assert [c["ok"] for c in report.checks if c["kernel"] == "engine"] == [True]  # triton == torch greedy
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["passed"] is True
     assert "| prefill |" in (tmp_path / "bench.md").read_text()
