@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 # Llama-3-8B attention shapes.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -481,30 +482,24 @@ def check_engine_greedy(report: Report, device) -> None:
     from pagoda.server.engine.sampling_params import SamplingParams
 
     generator = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, CHECK_MODEL["vocab_size"], (40,), generator=generator).tolist()
-    prompts = [
-        shared + torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist()
-        for n in (1, 7, 33, 90)
-    ] + [torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist() for n in (5, 200)]
+
+    def random_ids(n: int) -> list[int]:
+        return torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist()
+
+    shared = random_ids(40)
+    prompts = [shared + random_ids(n) for n in (1, 7, 33, 90)] + [random_ids(5), random_ids(200)]
     params = SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True)
     tokens = {}
-    previous = os.environ.get("PAGODA_ATTENTION_BACKEND")
     with tempfile.TemporaryDirectory() as folder:
         save_random_llama(Path(folder), device, CHECK_MODEL, torch.float32)
-        try:
-            for backend in ("torch", "triton"):
-                os.environ["PAGODA_ATTENTION_BACKEND"] = backend
+        for backend in ("torch", "triton"):
+            with mock.patch.dict(os.environ, {"PAGODA_ATTENTION_BACKEND": backend}):
                 loaded = load_model(folder, dtype="float32", device=device)  # layers pick their backend
                 llm = LLM(loaded=loaded, device=str(device), block_size=BLOCK_SIZE,
                           max_num_batched_tokens=64, num_blocks=256)  # fmt: skip
                 llm.generate(prompts[:1], params)  # caches the shared prefix for the others
                 tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
                 del llm, loaded
-        finally:
-            if previous is None:
-                os.environ.pop("PAGODA_ATTENTION_BACKEND", None)
-            else:
-                os.environ["PAGODA_ATTENTION_BACKEND"] = previous
     differing = sum(a != b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
     report.checks.append(
         {

@@ -63,12 +63,12 @@ def _decode_padded(query, k_cache, v_cache, block_tables, context_lens, scale, s
     v = v_cache[tables].flatten(1, 2)[:, :max_len].to(compute)
     v.masked_fill_(~visible[:, :, None, None], 0)
     q = query.to(compute).view(num_seqs, num_kv_heads, group, head_dim)
-    hidden = ~visible[:, None, :]
+    masked_out = ~visible[:, None, :]
     out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=compute, device=query.device)
     for head in range(num_kv_heads):
         # k[:, :, head] is a strided [B, L, D] view that batched matmul reads in place (no copy).
         scores = torch.matmul(q[:, head], k[:, :, head].transpose(1, 2)) * scale  # [B, G, L]
-        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill_(masked_out, float("-inf")), dim=-1)
         out[:, head] = torch.matmul(probs, v[:, :, head])
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 

@@ -165,12 +165,6 @@ def usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def finish_reason(reason: str | None) -> str | None:
-    # OpenAI knows "stop" and "length". A request the engine aborts is answered with an error instead;
-    # a sequence of it that ended before (n > 1) keeps its own reason.
-    return "stop" if reason == "abort" else reason
-
-
 class TokenText:
     """Per-token text for logprobs, decoded once per token id (special tokens hidden, as in the text;
     a token holding part of a multi-byte character shows U+FFFD)."""
@@ -226,7 +220,8 @@ class Cursor:
         text = choice.text[self.chars :] if len(choice.text) > self.chars else ""
         token_ids = choice.token_ids[self.tokens :]
         logprobs = choice.logprobs[self.tokens :] if choice.logprobs is not None else None
-        reason = finish_reason(choice.finish_reason) if choice.finished and not self.finished else None
+        # "stop" or "length": a request the engine aborts never gets here, it is answered with an error.
+        reason = choice.finish_reason if choice.finished and not self.finished else None
         if not text and not token_ids and reason is None:
             return None
         self.chars = max(self.chars, len(choice.text))

@@ -127,9 +127,10 @@ class LLMEngine:
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len}"
             )
-        width = params.beam_width if params.use_beam_search else params.n
-        if width > self.scheduler.max_num_seqs:
-            raise ValueError(f"n: {width} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}")
+        if params.num_seqs > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n: {params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
+            )
         max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
         max_total = min(max_total, self.max_model_len)
         self._check_fits(len(prompt_ids), max_total, params)
@@ -146,11 +147,12 @@ class LLMEngine:
     def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
         """A request that can never fit in the pool, even alone, is refused up front."""
         size, pool = self.block_manager.block_size, self.block_manager.num_blocks
-        width = params.beam_width if params.use_beam_search else params.n
+        width = params.num_seqs
         tail = max_total - prompt_len
-        needed = -(-prompt_len // size) + (width if width > 1 else 0) * (-(-tail // size) + 1)
         if width == 1:
             needed = -(-max_total // size)
+        else:  # the prompt's blocks once, then each sequence's own tail plus a copied partial block
+            needed = -(-prompt_len // size) + width * (-(-tail // size) + 1)
         if needed > pool:
             raise ValueError(
                 f"prompt: this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "

@@ -51,6 +51,11 @@ class SamplingParams:
         return max(self.best_of or self.n, self.n)
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once: its beams, or its n samples."""
+        return self.beam_width if self.use_beam_search else self.n
+
+    @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 

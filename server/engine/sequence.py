@@ -103,7 +103,7 @@ class Request:
     def num_seats(self) -> int:
         """Sequences this request occupies in the running batch (reserved before forking)."""
         if not self.forked:
-            return self.params.beam_width if self.params.use_beam_search else self.params.n
+            return self.params.num_seqs
         return sum(1 for s in self.seqs if not s.finished)
 
     def live_seqs(self) -> list[Sequence]:
