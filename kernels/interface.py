@@ -45,10 +45,15 @@ class AttentionBackend(Protocol):
 
 
 def get_backend(device: torch.device | str | None = None) -> AttentionBackend:
-    """Triton on CUDA, the torch reference elsewhere; PAGODA_ATTENTION_BACKEND overrides."""
+    """Triton on CUDA, the fused CPU backend elsewhere; PAGODA_ATTENTION_BACKEND overrides (``torch``
+    is the op-by-op reference, the oracle of both)."""
     choice = os.environ.get("PAGODA_ATTENTION_BACKEND", "").strip().lower()
     if not choice:
-        choice = "triton" if torch.device(device or "cpu").type == "cuda" else "torch"
+        choice = "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
+    if choice == "cpu":
+        from pagoda.kernels.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if choice == "torch":
         from pagoda.kernels.reference import TorchReferenceBackend
 
@@ -57,4 +62,4 @@ def get_backend(device: torch.device | str | None = None) -> AttentionBackend:
         from pagoda.kernels.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"PAGODA_ATTENTION_BACKEND must be 'torch' or 'triton', got {choice!r}")
+    raise ValueError(f"PAGODA_ATTENTION_BACKEND must be 'cpu', 'torch' or 'triton', got {choice!r}")

@@ -73,6 +73,15 @@ def _decode_padded(query, k_cache, v_cache, block_tables, context_lens, scale, s
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Rows of a decode batch grouped by context length within 2x. A batch is padded to its longest
+    context, so one long sequence would make every short one pay for it."""
+    groups: dict[int, list[int]] = {}
+    for row, length in enumerate(lengths):
+        groups.setdefault(max(length - 1, 0).bit_length(), []).append(row)
+    return list(groups.values())
+
+
 class TorchReferenceBackend:
     name = "torch"
 
@@ -88,16 +97,11 @@ class TorchReferenceBackend:
     def paged_decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
     ):
-        # Sequences are padded to the longest of their batch, so one long context would make every
-        # short one pay for it: batch sequences of similar length together (lengths within 2x).
-        lengths = context_lens.tolist()
-        groups: dict[int, list[int]] = {}
-        for row, length in enumerate(lengths):
-            groups.setdefault(max(length - 1, 0).bit_length(), []).append(row)
+        groups = length_groups(context_lens.tolist())
         if len(groups) == 1:
             return _decode_padded(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
         out = torch.empty_like(query)
-        for rows in groups.values():
+        for rows in groups:
             index = torch.tensor(rows, device=query.device)
             out[index] = _decode_padded(
                 query[index],

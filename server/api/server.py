@@ -7,7 +7,6 @@ ones up to the drain timeout, then stops the engine.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -42,12 +41,11 @@ class PagodaServer:
         log.info("listening on http://%s:%d", self.host, self.port)
 
     async def load(self, engine_args: EngineArgs) -> None:
-        """Build the engine off the event loop (probes keep answering) and start its step loop."""
+        """Build the engine on its own thread (probes keep answering) and start its step loop."""
         from pagoda.server.engine.async_engine import AsyncLLMEngine
 
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(None, AsyncLLMEngine, engine_args)
-            await self.attach(engine)
+            await self.attach(AsyncLLMEngine(engine_args))
         except Exception as exc:
             self.state.load_error = exc
             raise

@@ -1,6 +1,8 @@
-"""asyncio front of the engine: a dedicated step-loop thread, one asyncio queue per request.
+"""asyncio front of the engine: a dedicated engine thread, one asyncio queue per request.
 
-Model steps never run on the event loop. Requests are validated on the caller's side (errors raise
+All torch work of a serving process runs on the engine thread: it loads the model, sizes the KV pool
+and runs every step. Torch work from a second thread would start a second OpenMP thread team that
+fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are validated on the caller's side (errors raise
 at the first `__anext__`), handed to the step thread through a locked inbox, and their cumulative
 snapshots come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
 request, which frees its blocks at the next loop turn.
@@ -42,16 +44,16 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, engine_args: EngineArgs | None = None, loaded=None) -> None:
-        """Loads the model (blocking): construct it in an executor or before the loop starts."""
+        """Cheap: the engine (model, KV pool) is built on the engine thread by `start()`."""
         self._engine_args = engine_args or EngineArgs()
-        self.engine = LLMEngine(self._engine_args, loaded=loaded)
+        self._loaded = loaded
+        self.engine: LLMEngine | None = None
         self._lock = threading.Lock()  # guards the inbox, aborts, streams and the stats snapshot
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
-        self._stats = self.engine.stats()
-        self._stats.loop_alive = False
+        self._stats = EngineStats(loop_alive=False)
         self._step_counts: list[int] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -79,10 +81,21 @@ class AsyncLLMEngine:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the engine thread and wait until it has built the engine (load errors raise here)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, args=(loop, built), name="pagoda-engine-loop", daemon=True
+        )
         self._thread.start()
+        try:
+            await built
+        except BaseException:
+            await loop.run_in_executor(None, self._thread.join)
+            self._thread = None
+            raise
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -138,9 +151,17 @@ class AsyncLLMEngine:
             counts, self._step_counts = self._step_counts, []
         return EngineStats(**{**vars(snapshot), "step_token_counts": counts})
 
-    # ---- the step-loop thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _run(self, loop: asyncio.AbstractEventLoop, built: asyncio.Future[None]) -> None:
+        try:
+            self.engine = engine = LLMEngine(self._engine_args, loaded=self._loaded)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(built.set_exception, exc)
+            return
+        self._loaded = None  # the engine holds the model now
+        with self._lock:
+            self._refresh_stats(alive=True)
+        loop.call_soon_threadsafe(built.set_result, None)
         try:
             while True:
                 with self._lock:

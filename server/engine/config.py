@@ -45,8 +45,9 @@ def parse_bytes(value: str | int) -> int:
 class EngineArgs:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # None = the model's own
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto = cuda if available, else cpu
+    quantization: str = "auto"  # auto = a GGUF model's own 4-bit weights on CPU, dense otherwise
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = 2048 (chunked prefill) or max_model_len
@@ -56,6 +57,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    cpu_threads: int | None = None  # None = the cores this process may use (affinity, cgroup limit)
     num_blocks: int | None = None  # override the pool size (tests use tiny pools)
 
     @property
@@ -79,9 +81,16 @@ class EngineArgs:
             "dtype",
             default="auto",
             choices=["auto", "float32", "bfloat16", "float16"],
-            help="weights/KV dtype",
+            help="weights/KV dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
         )
         add("device", default="auto", help="auto, cpu, cuda, cuda:N")
+        add(
+            "quantization",
+            default="auto",
+            choices=["auto", "none", "gguf"],
+            help="gguf: run a GGUF model's Q4_0/Q4_1 weights as 4-bit (torch's int4 CPU kernel); "
+            "none: dequantize; auto: gguf on CPU, none on CUDA",
+        )
         add("block-size", type=int, default=16, help="tokens per KV block")
         add("max-num-seqs", type=int, default=256, help="max sequences in the running batch")
         add("max-num-batched-tokens", type=int, help="max tokens per engine step")
@@ -90,6 +99,11 @@ class EngineArgs:
         add("gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
         add("num-blocks", type=int, help="force the number of KV blocks (overrides memory sizing)")
         add("seed", type=int, default=0, help="seed for requests without their own seed")
+        add(
+            "cpu-threads",
+            type=int,
+            help="torch threads on CPU (default: the cores this process may use, within its CPU limit)",
+        )
         group.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,

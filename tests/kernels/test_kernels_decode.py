@@ -1,5 +1,6 @@
 import pytest
 import torch
+from pagoda.kernels.cpu_backend import CpuBackend
 from pagoda.kernels.testing import (
     case_id,
     latin_square,
@@ -12,10 +13,12 @@ from pagoda.kernels.triton_backend import TritonBackend
 from pagoda.kernels.triton_decode import num_decode_partitions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Small tiles so short test contexts still span many tiles and partitions.
-SPLIT = {
+# Triton with small tiles so short test contexts still span many tiles and partitions; the fused CPU
+# backend. Each is checked against the op-by-op reference.
+BACKENDS = {
     "single": TritonBackend(decode_block_n=16, decode_partitions=1),
     "split": TritonBackend(decode_block_n=16, decode_partitions=3),
+    "cpu": CpuBackend(),
 }
 
 
@@ -65,19 +68,19 @@ LATIN = latin_square([8, 16, 32], [1, 4, 8], DTYPES)
 
 
 @pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN, ids=[case_id(*case) for case in LATIN])
-@pytest.mark.parametrize("mode", ["single", "split"])
+@pytest.mark.parametrize("mode", list(BACKENDS))
 def test_decode_matches_reference(mode, group, block_size, dtype, reference, generator):
     # One token, a length ending mid-block, and lengths 1-2 orders of magnitude apart in one batch.
     _check_decode(
-        SPLIT[mode], reference, generator, [1, 9, 77, 203], group=group, block_size=block_size, dtype=dtype
+        BACKENDS[mode], reference, generator, [1, 9, 77, 203], group=group, block_size=block_size, dtype=dtype
     )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", ["single", "split"])
+@pytest.mark.parametrize("mode", list(BACKENDS))
 def test_decode_sliding_window(mode, dtype, reference, generator):
     _check_decode(
-        SPLIT[mode],
+        BACKENDS[mode],
         reference,
         generator,
         [5, 24, 25, 130],
@@ -88,11 +91,11 @@ def test_decode_sliding_window(mode, dtype, reference, generator):
     )
 
 
-@pytest.mark.parametrize("mode", ["single", "split"])
+@pytest.mark.parametrize("mode", list(BACKENDS))
 def test_decode_shared_prefix_blocks(mode, reference, generator):
     # The first two physical blocks appear in all three block tables (a ref-counted prefix).
     _check_decode(
-        SPLIT[mode],
+        BACKENDS[mode],
         reference,
         generator,
         [40, 70, 17],

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from pagoda.kernels.cpu_backend import CpuBackend
 from pagoda.kernels.testing import (
     case_id,
     latin_square,
@@ -13,6 +14,7 @@ from pagoda.kernels.triton_backend import TritonBackend
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Small tiles so short test sequences still span several query and key tiles.
 SMALL_TILES = TritonBackend(prefill_block_m=16, prefill_block_n=32)
+BACKENDS = {"triton": SMALL_TILES, "cpu": CpuBackend()}  # each checked against the reference
 
 
 def _check_prefill(
@@ -69,14 +71,16 @@ LATIN = latin_square([8, 16, 32], [1, 4, 8], DTYPES)
 
 
 @pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN, ids=[case_id(*case) for case in LATIN])
-def test_prefill_matches_reference(group, block_size, dtype, reference, generator):
-    _check_prefill(SMALL_TILES, reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype)
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_prefill_matches_reference(mode, group, block_size, dtype, reference, generator):
+    _check_prefill(BACKENDS[mode], reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_sliding_window(dtype, reference, generator):
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_prefill_sliding_window(mode, dtype, reference, generator):
     _check_prefill(
-        SMALL_TILES,
+        BACKENDS[mode],
         reference,
         generator,
         [*MIXED, (70, 70)],
@@ -87,10 +91,11 @@ def test_prefill_sliding_window(dtype, reference, generator):
     )
 
 
-def test_prefill_shared_prefix_blocks(reference, generator):
+@pytest.mark.parametrize("mode", list(BACKENDS))
+def test_prefill_shared_prefix_blocks(mode, reference, generator):
     # Two sequences whose first 3 blocks are the same physical blocks; each prefills only its tail.
     _check_prefill(
-        SMALL_TILES,
+        BACKENDS[mode],
         reference,
         generator,
         [(40, 40), (61, 37), (30, 6)],

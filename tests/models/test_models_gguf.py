@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 def test_gguf_loads_the_folder_weights(family, tmp_path, tmp_path_factory):
     folder = tiny_model_dir(family, tmp_path_factory)
     gguf = write_gguf(folder, tmp_path / f"tiny-{family}.F32.gguf")
-    from_folder, from_gguf = load_model(folder), load_model(str(gguf))
+    from_folder, from_gguf = load_model(folder, dtype="float32"), load_model(str(gguf), dtype="float32")
     assert from_gguf.name == f"tiny-{family}"
     assert from_gguf.hf_config.architectures == from_folder.hf_config.architectures
     # Family switches read back from GGUF metadata (which stores eps as float32).

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from models_paged_harness import PagedHarness
+from pagoda.server.engine import cpu
 from pagoda.server.engine.loader import (
     ModelSource,
     default_gguf_path,
@@ -38,7 +39,8 @@ def test_hf_folder_fields(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir))
     assert loaded.name == tiny_llama_dir.name
     assert loaded.max_model_len == 512
-    assert loaded.dtype == torch.float32 and loaded.model.dtype == torch.float32
+    auto = resolve_dtype("auto", torch.device("cpu"))
+    assert loaded.dtype == auto and loaded.model.dtype == auto
     assert loaded.device == torch.device("cpu")
     # config's eos plus generation_config's (which adds the chat end token)
     assert loaded.eos_token_ids == {
@@ -50,8 +52,13 @@ def test_hf_folder_fields(tiny_llama_dir):
     )
 
 
-def test_dtype_choice(tiny_llama_dir):
+def test_dtype_choice(tiny_llama_dir, monkeypatch):
+    # auto on CPU follows the hardware; a CPU of each kind is stood in for by its flags.
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flag=flag: frozenset({"avx2", flag}))
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):

@@ -29,7 +29,7 @@ TEXTS = {
 
 @pytest.fixture(scope="module")
 def smollm2():
-    ours = load_model(None)
+    ours = load_model(None, dtype="float32")  # parity is measured in fp32
     source = resolve_model_source(None)
     reference = AutoModelForCausalLM.from_pretrained(
         source.path.parent, gguf_file=source.path.name, dtype=torch.float32, attn_implementation="eager"

@@ -34,7 +34,7 @@ def _random_sequences(vocab_size: int, seed: int) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def family_models(tiny_family_dir):
     family, path = tiny_family_dir
-    ours = load_model(path)
+    ours = load_model(path, dtype="float32")  # parity is measured in fp32
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     reference.eval()
     return family, ours, reference
@@ -62,7 +62,7 @@ def test_paged_logits_match_transformers(family_models, block_size):
 
 def test_mistral_sliding_window_matters(tiny_mistral_dir):
     """Without the window our logits drift from transformers' past position 8: the test above has teeth."""
-    ours = load_model(tiny_mistral_dir)
+    ours = load_model(tiny_mistral_dir, dtype="float32")
     assert set(ours.model.cfg.sliding_windows) == {8}
     assert PROMPT_LENGTHS["c"] > 8
     reference = AutoModelForCausalLM.from_pretrained(tiny_mistral_dir, dtype=torch.float32).eval()

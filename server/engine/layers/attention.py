@@ -47,29 +47,38 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         backend = self.backend(q.device)
         k_cache, v_cache = kv_cache
-        backend.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        num_prefill = attn_metadata.num_prefill_tokens
+        meta = attn_metadata
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_prefill = meta.num_prefill_tokens
+        num_decode = 0 if meta.decode_context_lens is None else meta.decode_context_lens.shape[0]
+        if num_prefill + num_decode == q.shape[0] and not (num_prefill and num_decode):
+            # Only prefill or only decode tokens (most steps): the backend's output as it is.
+            return (
+                self._prefill(backend, q, kv_cache, meta)
+                if num_prefill
+                else self._decode(backend, q, kv_cache, meta)
+            )
         out = torch.zeros_like(q)  # rows past the prefill and decode tokens are padding
         if num_prefill:
-            out[:num_prefill] = backend.paged_prefill_attention(
-                q[:num_prefill],
-                k_cache,
-                v_cache,
-                attn_metadata.prefill_cu_seqlens_q,
-                attn_metadata.prefill_context_lens,
-                attn_metadata.prefill_block_tables,
-                self.scale,
-                self.sliding_window,
-            )
-        if attn_metadata.decode_context_lens is not None:
-            end = num_prefill + attn_metadata.decode_context_lens.shape[0]
-            out[num_prefill:end] = backend.paged_decode_attention(
-                q[num_prefill:end],
-                k_cache,
-                v_cache,
-                attn_metadata.decode_block_tables,
-                attn_metadata.decode_context_lens,
-                self.scale,
-                self.sliding_window,
+            out[:num_prefill] = self._prefill(backend, q[:num_prefill], kv_cache, meta)
+        if num_decode:
+            out[num_prefill : num_prefill + num_decode] = self._decode(
+                backend, q[num_prefill : num_prefill + num_decode], kv_cache, meta
             )
         return out
+
+    def _prefill(self, backend: AttentionBackend, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return backend.paged_prefill_attention(
+            q,
+            *kv_cache,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            self.scale,
+            self.sliding_window,
+        )
+
+    def _decode(self, backend: AttentionBackend, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return backend.paged_decode_attention(
+            q, *kv_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window
+        )

@@ -1,24 +1,48 @@
-"""Projections fused into one matmul (q/k/v, gate/up) that still load HF's separate weights."""
+"""Projections: one matmul each, dense or with 4-bit weights; q/k/v and gate/up fused into one."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagoda.server.engine.layers.quantized import Int4Weight
 from torch import nn
 
 
-class MergedLinear(nn.Module):
+class Linear(nn.Module):
+    """y = x Wᵀ + b. W is a dense parameter (what checkpoints load into) until `quantize` swaps it for
+    4-bit groups."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.int4: Int4Weight | None = None
+
+    def quantize(self, int4: Int4Weight) -> None:
+        if (int4.out_features, int4.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"4-bit weight is {int4.out_features}x{int4.in_features}, "
+                f"the layer {self.out_features}x{self.in_features}"
+            )
+        self.int4 = int4
+        self.weight = None  # the dense copy is dropped: the 4-bit groups are the weight now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim; one matmul, split after.
 
     ``shards`` maps each HF projection name (e.g. "q_proj") to its output size, in stacking order.
     """
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__()
+        super().__init__(in_features, sum(shards.values()), bias)
         self.shard_sizes = dict(shards)
-        out_features = sum(shards.values())
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the stacked weight (and bias) that hold `shard`."""
@@ -30,4 +54,8 @@ class MergedLinear(nn.Module):
         raise KeyError(f"no shard {shard!r} in {list(self.shard_sizes)}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(list(self.shard_sizes.values()), dim=-1)
+        return self.stacked(x).split(list(self.shard_sizes.values()), dim=-1)
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The projections side by side, [..., sum of shard sizes], before the split."""
+        return super().forward(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from pagoda.server.engine.layers.activation import silu_and_mul
-from pagoda.server.engine.layers.linear import MergedLinear
+from pagoda.server.engine.layers.linear import Linear, MergedLinear
 from torch import nn
 
 
@@ -14,7 +14,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)

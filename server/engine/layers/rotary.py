@@ -68,17 +68,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(params, head_dim), persistent=False)
 
     @torch.no_grad()
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (cos, sin), each [num_tokens, head_dim]."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [num_tokens, 1, head_dim]: computed in fp32, then cast once per step to
+        the dtype q and k rotate in (where transformers casts them in every layer)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate packed q [T, H, D] and k [T, KVH, D]; cos/sin are cast to q's dtype like transformers."""
-    cos = cos.to(q.dtype)[:, None, :]
-    sin = sin.to(q.dtype)[:, None, :]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate packed heads x [T, heads, D] (q, k, or both side by side) by this step's angles."""
+    return x * cos + _rotate_half(x) * sin

@@ -15,7 +15,7 @@ import torch
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.layers.attention import PagedAttention
 from pagoda.server.engine.layers.embedding import LMHead, VocabEmbedding
-from pagoda.server.engine.layers.linear import MergedLinear
+from pagoda.server.engine.layers.linear import Linear, MergedLinear
 from pagoda.server.engine.layers.mlp import GatedMLP
 from pagoda.server.engine.layers.norm import RMSNorm
 from pagoda.server.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -116,13 +116,15 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.stacked(hidden).view(-1, heads + 2 * kv_heads, head_dim)
+        v = qkv[:, heads + kv_heads :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q = apply_rotary(self.q_norm(qkv[:, :heads]), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, heads : heads + kv_heads]), *rope)
+        else:  # q and k rotate as one tensor: one set of rotary ops per layer, not two
+            qk = apply_rotary(qkv[:, : heads + kv_heads], *rope)
+            q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q, k, v, attn_metadata, kv_cache)
         return self.o_proj(out.flatten(1))
 
@@ -162,7 +164,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)  # once per step, shared by every layer
+        rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, attn_metadata, kv_cache)
         return self.norm(hidden)

@@ -1,0 +1,94 @@
+"""GGUF Q4_0 / Q4_1 tensors as `Int4Weight`s: the file's own 4-bit numbers, not a dequantized copy.
+
+The model is first loaded through transformers' dequantizing reader (config, names, every other
+tensor); then each linear layer whose GGUF tensors are all Q4_0/Q4_1 has its dense weight replaced by
+the file's blocks. llama.cpp stores q/k rows permuted for its rotary layout; the same row order
+transformers undoes on the dense weights is applied to the 4-bit rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from pagoda.server.engine.layers.linear import Linear, MergedLinear
+from pagoda.server.engine.layers.quantized import Int4Weight
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per Q4_0/Q4_1 block
+INT4_TYPES = ("Q4_0", "Q4_1")
+# GGUF tensor of layer i -> (our module under model.layers.i, HF shard name inside a merged module)
+GGUF_LINEARS = {
+    "attn_q": ("self_attn.qkv_proj", "q_proj"),
+    "attn_k": ("self_attn.qkv_proj", "k_proj"),
+    "attn_v": ("self_attn.qkv_proj", "v_proj"),
+    "attn_output": ("self_attn.o_proj", None),
+    "ffn_gate": ("mlp.gate_up_proj", "gate_proj"),
+    "ffn_up": ("mlp.gate_up_proj", "up_proj"),
+    "ffn_down": ("mlp.down_proj", None),
+}
+
+
+def unpack_q4_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw: [rows, bytes per row] of Q4_0/Q4_1 blocks -> (q [rows, cols] 0..15, scale, zero
+    [rows, cols / 32], fp32) with ``w = (q - 8) * scale + zero``."""
+    rows = raw.shape[0]
+    header = 2 if kind == "Q4_0" else 4  # fp16 d (Q4_0), fp16 d and m (Q4_1)
+    blocks = raw.reshape(rows, -1, header + BLOCK // 2)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[:, :, header:]
+    # Byte j of a block holds weight j in its low nibble and weight j + 16 in its high one.
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if kind == "Q4_0":  # w = d * (q - 8)
+        zero = np.zeros_like(d)
+    else:  # w = d * q + m = d * (q - 8) + (m + 8 d)
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def _unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (transformers' `_reverse_permute_weights`)."""
+    dim = num_rows // num_heads // 2
+    return np.arange(num_rows).reshape(num_heads, dim, 2).swapaxes(2, 1).reshape(num_rows)
+
+
+def quantize_from_gguf(model: torch.nn.Module, path: Path, dtype: torch.dtype) -> int:
+    """Swap in the GGUF file's 4-bit weights; returns how many linear layers now run in 4 bits."""
+    from gguf import GGUFReader
+
+    cfg = model.cfg
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    modules = dict(model.named_modules())
+    swapped = 0
+    for layer in range(cfg.num_layers):
+        parts: dict[str, list[tuple[str | None, str]]] = {}
+        for gguf_name, (module_name, shard) in GGUF_LINEARS.items():
+            parts.setdefault(module_name, []).append((shard, f"blk.{layer}.{gguf_name}.weight"))
+        for module_name, shards in parts.items():
+            found = [tensors.get(name) for _, name in shards]
+            if any(t is None or t.tensor_type.name not in INT4_TYPES for t in found):
+                continue  # some part is not 4-bit in this file: the layer stays dense
+            module = modules[f"model.layers.{layer}.{module_name}"]
+            q, scale, zero = _stack(module, shards, found, cfg)
+            module.quantize(Int4Weight(q, scale, zero, dtype))
+            swapped += 1
+    logger.info("GGUF 4-bit weights: %d linear layers run on torch's int4 kernel", swapped)
+    return swapped
+
+
+def _stack(module: Linear, shards, found, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of every shard of `module`, in its stacking order."""
+    by_shard = {}
+    for (shard, name), tensor in zip(shards, found, strict=True):
+        q, scale, zero = unpack_q4_blocks(np.asarray(tensor.data), tensor.tensor_type.name)
+        if ".attn_q." in name or ".attn_k." in name:
+            heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+            order = torch.from_numpy(_unpermute_rows(q.shape[0], heads))
+            q, scale, zero = q[order], scale[order], zero[order]
+        by_shard[shard] = (q, scale, zero)
+    order = list(module.shard_sizes) if isinstance(module, MergedLinear) else [None]
+    return tuple(torch.cat([by_shard[shard][i] for shard in order]) for i in range(3))
