@@ -1,52 +1,46 @@
 """The CPU attention backend: one fused attention call per layer and length group, in the model dtype.
 
 The reference (`reference.py`) spells attention out op by op in fp32, per KV head; it stays the oracle.
-This backend does what the reference does in far fewer torch calls, which is what a CPU step pays for
-at serving batch sizes: one gather of the blocks a group of sequences holds, then torch's fused
-attention (`scaled_dot_product_attention`: flash attention on CPU, fp32 accumulation for bf16, GQA
-without repeating K and V) reading K/V through strided views. Prefill of a prompt with nothing cached
-attends causally without building a mask.
+This backend does the same in far fewer torch calls, which is what a CPU step pays for at serving
+batch sizes: one gather of the blocks a group of sequences holds, then torch's fused attention
+(`scaled_dot_product_attention`: flash attention on CPU, fp32 accumulation for bf16, GQA without
+repeating K and V) reading K/V through strided views. What only depends on the step (length groups,
+block indices, masks) is worked out once per step and reused by every layer. Prefill of a prompt with
+nothing cached attends causally without a mask.
+
+Contract beyond the interface's: cache slots a sequence does not own hold finite values. Their scores
+are masked, so any finite K/V there meets a zero probability; a NaN would not. The engine's pool is
+zeroed when allocated and only ever holds K/V the model wrote.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 
 
-def _visible(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
-    """[B, width] True where a decode query sees the key (inside the context and the window)."""
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | None  # rows of the batch in this group (None: the whole batch)
+    blocks: torch.Tensor  # [num_seqs * width_blocks] physical blocks to gather, table order
+    width: int  # tokens gathered per sequence (whole blocks)
+    visible: torch.Tensor  # [num_seqs, 1, 1, width] True where the query sees the key
+
+
+def _decode_group(rows, block_tables, context_lens, block_size, num_blocks, sliding_window) -> _DecodeGroup:
+    width_blocks = -(-int(context_lens.max()) // block_size)
+    # Table entries past a sequence's last block may hold any value: clamp them into range.
+    blocks = block_tables[:, :width_blocks].clamp(0, num_blocks - 1).long().flatten()
+    width = width_blocks * block_size
     positions = torch.arange(width, device=context_lens.device)[None, :]
     lengths = context_lens.long()[:, None]
     visible = positions < lengths
     if sliding_window is not None:
         visible &= positions >= lengths - sliding_window
-    return visible
-
-
-def _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window):
-    num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    width_blocks = -(-int(context_lens.max()) // block_size)
-    # Table entries past a sequence's last block may hold any value: clamp them into range.
-    tables = block_tables[:, :width_blocks].clamp(0, num_blocks - 1).long().flatten()
-    width = width_blocks * block_size
-    visible = _visible(context_lens, width, sliding_window)
-    # Slots a sequence does not own (the tail of its last block, clamped entries) may hold anything,
-    # NaN included, and a masked score is still NaN if its key is: zero them in the gathered copy.
-    hidden = ~visible[:, :, None, None]
-    k = k_cache.index_select(0, tables).view(num_seqs, width, num_kv_heads, head_dim).masked_fill_(hidden, 0)
-    v = v_cache.index_select(0, tables).view(num_seqs, width, num_kv_heads, head_dim).masked_fill_(hidden, 0)
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :].to(k.dtype),  # [B, H, 1, D]
-        k.transpose(1, 2),  # [B, KVH, L, D] strided views: no copy
-        v.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out[:, :, 0, :].to(query.dtype)
+    return _DecodeGroup(rows, blocks, width, visible[:, None, None, :])
 
 
 class CpuBackend(TorchReferenceBackend):
@@ -54,24 +48,58 @@ class CpuBackend(TorchReferenceBackend):
 
     name = "cpu"
 
+    def __init__(self) -> None:
+        # (key, plan) of the step being run: every layer passes the same metadata tensors. One tuple,
+        # read and replaced whole, so engines stepping on other threads never see half an update.
+        self._last_plan: tuple[tuple, list[_DecodeGroup]] | None = None
+
+    def _decode_plan(self, block_tables, context_lens, k_cache, sliding_window) -> list[_DecodeGroup]:
+        key = (block_tables, context_lens, tuple(k_cache.shape[:2]), sliding_window)
+        last = self._last_plan
+        if last is not None and last[0][0] is key[0] and last[0][1] is key[1] and last[0][2:] == key[2:]:
+            return last[1]
+        num_blocks, block_size = k_cache.shape[:2]
+        lengths = context_lens.tolist()
+        # One call over the batch padded to its longest context, unless padding would more than
+        # double the keys read (one long context among short ones): then groups of similar length.
+        groups = [lengths] if len(lengths) * max(lengths) <= 2 * sum(lengths) else length_groups(lengths)
+        if len(groups) == 1:
+            plan = [_decode_group(None, block_tables, context_lens, block_size, num_blocks, sliding_window)]
+        else:
+            plan = []
+            for rows in groups:
+                index = torch.tensor(rows, device=context_lens.device)
+                plan.append(
+                    _decode_group(
+                        index,
+                        block_tables[index],
+                        context_lens[index],
+                        block_size,
+                        num_blocks,
+                        sliding_window,
+                    )
+                )
+        self._last_plan = (key, plan)
+        return plan
+
     def paged_decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
     ):
-        groups = length_groups(context_lens.tolist())
-        if len(groups) == 1:
-            return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
-        out = torch.empty_like(query)
-        for rows in groups:
-            index = torch.tensor(rows, device=query.device)
-            out[index] = _decode_group(
-                query[index],
-                k_cache,
-                v_cache,
-                block_tables[index],
-                context_lens[index],
-                scale,
-                sliding_window,
-            )
+        plan = self._decode_plan(block_tables, context_lens, k_cache, sliding_window)
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        gqa = query.shape[1] != num_kv_heads
+        out = torch.empty_like(query) if len(plan) > 1 else None
+        for group in plan:
+            q = query if group.rows is None else query[group.rows]
+            shape = (q.shape[0], group.width, num_kv_heads, head_dim)
+            k = k_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)  # [B, KVH, L, D]
+            v = v_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                q[:, :, None, :].to(k.dtype), k, v, attn_mask=group.visible, scale=scale, enable_gqa=gqa
+            )[:, :, 0, :].to(query.dtype)
+            if out is None:
+                return attended
+            out[group.rows] = attended
         return out
 
     def paged_prefill_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol
 
@@ -46,10 +47,16 @@ class AttentionBackend(Protocol):
 
 def get_backend(device: torch.device | str | None = None) -> AttentionBackend:
     """Triton on CUDA, the fused CPU backend elsewhere; PAGODA_ATTENTION_BACKEND overrides (``torch``
-    is the op-by-op reference, the oracle of both)."""
+    is the op-by-op reference, the oracle of both). One instance per choice, shared by every layer
+    (the CPU backend works out a step's decode plan once for all of them)."""
     choice = os.environ.get("PAGODA_ATTENTION_BACKEND", "").strip().lower()
     if not choice:
         choice = "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
+    return _backend(choice)
+
+
+@functools.cache
+def _backend(choice: str) -> AttentionBackend:
     if choice == "cpu":
         from pagoda.kernels.cpu_backend import CpuBackend
 

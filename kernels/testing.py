@@ -32,7 +32,7 @@ def make_paged_kv(
     *,
     shared_blocks: int = 0,
     spare_blocks: int = 3,
-    poison: bool = True,
+    poison: bool | float = True,
     generator: torch.Generator | None = None,
 ) -> PagedKV:
     """Cache holding ``context_lens[i]`` random tokens per sequence; ``shared_blocks`` leading blocks
@@ -53,7 +53,8 @@ def make_paged_kv(
         next_free += count - first_owned
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    fill = float("nan") if poison else 0.0
+    # True: NaN; a number: that finite garbage (for kernels whose contract is a finite pool); False: 0.
+    fill = float("nan") if poison is True else float(poison)
     k_cache = torch.full(shape, fill, dtype=dtype)
     v_cache = torch.full(shape, fill, dtype=dtype)
     for seq, length in enumerate(context_lens):

@@ -88,7 +88,8 @@ class EngineArgs:
             "quantization",
             default="auto",
             choices=["auto", "none", "gguf"],
-            help="gguf: run a GGUF model's Q4_0/Q4_1 weights as 4-bit (torch's int4 CPU kernel); "
+            help="gguf: a GGUF model's own Q4_0/Q4_1 (and Q8_0 LM head) weights for few-row steps "
+            "(torch's weight-only int4/int8 CPU kernels); "
             "none: dequantize; auto: gguf on CPU, none on CUDA",
         )
         add("block-size", type=int, default=16, help="tokens per KV block")

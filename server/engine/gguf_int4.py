@@ -1,8 +1,8 @@
-"""GGUF Q4_0 / Q4_1 tensors as `Int4Weight`s: the file's own 4-bit numbers, not a dequantized copy.
+"""GGUF Q4_0 / Q4_1 tensors as `Int4Weight`s (the file's own 4-bit numbers) and a Q8_0 LM head as an
+`Int8Weight`, for the few-row steps where low-bit kernels win (`layers/quantized.py`).
 
-The model is first loaded through transformers' dequantizing reader (config, names, every other
-tensor); then each linear layer whose GGUF tensors are all Q4_0/Q4_1 has its dense weight replaced by
-the file's blocks. llama.cpp stores q/k rows permuted for its rotary layout; the same row order
+The model is first loaded through transformers' dequantizing reader (config, names, every tensor
+dense); then each linear layer whose GGUF tensors are all Q4_0/Q4_1 also gets the file's blocks. llama.cpp stores q/k rows permuted for its rotary layout; the same row order
 transformers undoes on the dense weights is applied to the 4-bit rows.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from pagoda.server.engine.layers.linear import Linear, MergedLinear
-from pagoda.server.engine.layers.quantized import Int4Weight
+from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ def _unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
 
 
 def quantize_from_gguf(model: torch.nn.Module, path: Path, dtype: torch.dtype) -> int:
-    """Swap in the GGUF file's 4-bit weights; returns how many linear layers now run in 4 bits."""
+    """Add the GGUF file's low-bit weights beside the dense ones; returns how many linear layers
+    have 4-bit weights."""
     from gguf import GGUFReader
 
     cfg = model.cfg
@@ -76,7 +77,10 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, dtype: torch.dtype) -
             q, scale, zero = _stack(module, shards, found, cfg)
             module.quantize(Int4Weight(q, scale, zero, dtype))
             swapped += 1
-    logger.info("GGUF 4-bit weights: %d linear layers run on torch's int4 kernel", swapped)
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")  # untied, else tied
+    if head is not None and head.tensor_type.name == "Q8_0":
+        model.lm_head.quantize(Int8Weight(model.lm_head.weight.detach(), dtype))
+    logger.info("GGUF low-bit weights for few-row steps: %d linear layers in 4 bits", swapped)
     return swapped
 
 

@@ -243,7 +243,7 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
 
 
 def resolve_quantization(quantization: str, source: ModelSource, device: torch.device) -> str:
-    """"auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none")."""
+    """ "auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none")."""
     if quantization == "auto":
         return "gguf" if source.kind == "gguf" and device.type == "cpu" else "none"
     if quantization == "gguf":

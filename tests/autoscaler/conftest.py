@@ -13,4 +13,3 @@ async def fake_pods() -> AsyncIterator[FakePodFarm]:
     farm = FakePodFarm()
     yield farm
     await farm.close()
-

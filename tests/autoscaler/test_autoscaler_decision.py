@@ -44,36 +44,84 @@ class Case:
 CASES = [
     Case("steady inside tolerance", 2, pods((0.72, 4.2), (0.66, 3.8)), 2, reason_has="within tolerance"),
     Case("kv at 2x target doubles", 2, pods((1.4, 0), (1.4, 0)), 4, KV_CACHE_USAGE),
-    Case("kv at 2x target doubles within max", 3, pods((1.4, 0), (1.4, 0), (1.4, 0)), 4, KV_CACHE_USAGE,
-         policy=Policy(max_replicas=4), reason_has="maxReplicas 4"),
+    Case(
+        "kv at 2x target doubles within max",
+        3,
+        pods((1.4, 0), (1.4, 0), (1.4, 0)),
+        4,
+        KV_CACHE_USAGE,
+        policy=Policy(max_replicas=4),
+        reason_has="maxReplicas 4",
+    ),
     Case("queue spike with low kv scales on queue", 1, pods((0.2, 12)), 3, QUEUE_DEPTH),
     Case("max over metrics", 2, pods((1.05, 10), (1.05, 10)), 5, QUEUE_DEPTH),
-    Case("clamped to min", 3, pods((0.0, 0), (0.0, 0), (0.0, 0)), 2, policy=Policy(min_replicas=2),
-         reason_has="minReplicas 2"),
+    Case(
+        "clamped to min",
+        3,
+        pods((0.0, 0), (0.0, 0), (0.0, 0)),
+        2,
+        policy=Policy(min_replicas=2),
+        reason_has="minReplicas 2",
+    ),
     Case("current above max goes to max", 9, pods((0.7, 4)), 8, reason_has="above maxReplicas"),
     Case("current below min goes to min", 1, pods((0.1, 0)), 2, policy=Policy(min_replicas=2)),
-    Case("scale-up rate limit per step", 2, pods((7.0, 0), (7.0, 0)), 6, KV_CACHE_USAGE,
-         policy=Policy(max_replicas=50, scale_up_max_pods_per_step=4, scale_up_max_percent_per_step=100),
-         reason_has="rate limit 6"),
+    Case(
+        "scale-up rate limit per step",
+        2,
+        pods((7.0, 0), (7.0, 0)),
+        6,
+        KV_CACHE_USAGE,
+        policy=Policy(max_replicas=50, scale_up_max_pods_per_step=4, scale_up_max_percent_per_step=100),
+        reason_has="rate limit 6",
+    ),
     # Missing pods (HPA): on scale-up they count as 0, on scale-down as 100 % of target.
-    Case("scale-up: missing pod counts as 0", 2, pods((0.1, 12), None), 3, QUEUE_DEPTH,
-         reason_has="counted as 0"),
+    Case(
+        "scale-up: missing pod counts as 0",
+        2,
+        pods((0.1, 12), None),
+        3,
+        QUEUE_DEPTH,
+        reason_has="counted as 0",
+    ),
     Case("scale-up: not-ready pod counts as 0", 2, [*pods((0.1, 12)), not_ready("p9")], 3, QUEUE_DEPTH),
     Case("scale-up: missing flips direction, keep", 2, pods((0.9, 0), None), 2),
-    Case("scale-down: missing pods count as 100%", 4, pods((0.0, 0), (0.0, 0), None, None), 2,
-         history=[], policy=Policy(scale_down_stabilization_s=0), reason_has="100 % of target"),
+    Case(
+        "scale-down: missing pods count as 100%",
+        4,
+        pods((0.0, 0), (0.0, 0), None, None),
+        2,
+        history=[],
+        policy=Policy(scale_down_stabilization_s=0),
+        reason_has="100 % of target",
+    ),
     Case("pods not created yet count as missing", 3, pods((2.8, 0)), 4, KV_CACHE_USAGE),
     Case("no pod answers: keep", 3, pods(None, None, None), 3, reason_has="no metrics"),
     Case("all pods not ready: keep", 2, [not_ready("a"), not_ready("b")], 2, reason_has="no metrics"),
-    Case("one metric missing: no scale-down on the other", 2,
-         [PodObservation("a", True, {KV_CACHE_USAGE: 0.0}), PodObservation("b", True, {KV_CACHE_USAGE: 0.0})],
-         2, policy=Policy(scale_down_stabilization_s=0), reason_has="some metrics missing"),
-    Case("one metric missing: scale-up on the other", 1, [PodObservation("a", True, {KV_CACHE_USAGE: 1.4})],
-         2, KV_CACHE_USAGE),
+    Case(
+        "one metric missing: no scale-down on the other",
+        2,
+        [PodObservation("a", True, {KV_CACHE_USAGE: 0.0}), PodObservation("b", True, {KV_CACHE_USAGE: 0.0})],
+        2,
+        policy=Policy(scale_down_stabilization_s=0),
+        reason_has="some metrics missing",
+    ),
+    Case(
+        "one metric missing: scale-up on the other",
+        1,
+        [PodObservation("a", True, {KV_CACHE_USAGE: 1.4})],
+        2,
+        KV_CACHE_USAGE,
+    ),
     Case("replicas 0 by hand: paused", 0, [], 0, reason_has="paused"),
-    Case("scale-up stabilization takes the lowest in window", 2, pods((1.4, 0), (1.4, 0)), 3,
-         policy=Policy(scale_up_stabilization_s=60), history=[Recommendation(950.0, 3)],
-         reason_has="scale-up stabilized to 3"),
+    Case(
+        "scale-up stabilization takes the lowest in window",
+        2,
+        pods((1.4, 0), (1.4, 0)),
+        3,
+        policy=Policy(scale_up_stabilization_s=60),
+        history=[Recommendation(950.0, 3)],
+        reason_has="scale-up stabilized to 3",
+    ),
 ]
 
 
@@ -143,7 +191,9 @@ def test_no_flapping_under_oscillating_load() -> None:
 def test_compacted_history_decides_exactly_as_the_full_one_and_stays_small() -> None:
     """A 1 s interval under busy and quiet phases with noise: the mirrored history stays a handful of
     entries, and every decision equals the one made with the complete history of the windows."""
-    policy = Policy(min_replicas=1, max_replicas=8, scale_down_stabilization_s=120, scale_up_stabilization_s=30)
+    policy = Policy(
+        min_replicas=1, max_replicas=8, scale_down_stabilization_s=120, scale_up_stabilization_s=30
+    )
     compacted: tuple[Recommendation, ...] = ()
     full: list[Recommendation] = []
     replicas, changes, recommended = 2, 0, set()

@@ -18,8 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_local_e2e_scales_up_under_kv_pressure_and_back_down(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "e2e" / "local.py"), "--out", str(tmp_path), "--load-seconds", "40", "--down-window", "15"],
-        cwd=ROOT, capture_output=True, text=True, timeout=570)
+        [
+            sys.executable,
+            str(ROOT / "e2e" / "local.py"),
+            "--out",
+            str(tmp_path),
+            "--load-seconds",
+            "40",
+            "--down-window",
+            "15",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=570,
+    )
     print(run.stdout[-6000:])
     assert (tmp_path / "summary.json").exists(), f"e2e/local.py wrote no summary:\n{run.stderr[-3000:]}"
     summary = json.loads((tmp_path / "summary.json").read_text())

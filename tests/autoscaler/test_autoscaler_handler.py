@@ -30,8 +30,13 @@ CR = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
 CR_URL = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/{crd.PLURAL}"
 PODS_URL = f"/api/v1/namespaces/{NS}/pods"
 MERGE = {"Content-Type": "application/merge-patch+json"}
-AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "intervalSeconds": 15,
-               "scaleDownStabilizationSeconds": 60}
+AUTOSCALING = {
+    "enabled": True,
+    "minReplicas": 1,
+    "maxReplicas": 4,
+    "intervalSeconds": 15,
+    "scaleDownStabilizationSeconds": 60,
+}
 
 pytestmark = [pytest.mark.kmock(cls=KubeEmulator), pytest.mark.looptime]
 
@@ -39,10 +44,13 @@ pytestmark = [pytest.mark.kmock(cls=KubeEmulator), pytest.mark.looptime]
 @pytest.fixture
 def k8s(kmock: KubeEmulator) -> KubeEmulator:
     declare_builtin_resources(kmock)
-    kmock.resources[CR] = kmock.ResourceInfo(kind="InferenceService", singular="inferenceservice",
-                                             namespaced=True, verbs={"get", "list", "watch", "create", "patch",
-                                                                     "delete"},
-                                             subresources={"status", "scale"})
+    kmock.resources[CR] = kmock.ResourceInfo(
+        kind="InferenceService",
+        singular="inferenceservice",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+        subresources={"status", "scale"},
+    )
     return kmock
 
 
@@ -59,8 +67,9 @@ def registry_for(url: str) -> kopf.OperatorRegistry:
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry,
-                cancellation_timeout=10.0)(handlers.autoscaler)
+    kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_timeout=10.0)(
+        handlers.autoscaler
+    )
     return registry
 
 
@@ -72,9 +81,15 @@ async def running_operator(k8s: KubeEmulator) -> AsyncIterator[None]:
     ran, which would include a fixture's teardown task.
     """
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry_for(str(k8s.url).rstrip("/")),
-                                             clusterwide=True, standalone=True,
-                                             stop_flag=stop, ready_flag=ready))
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=registry_for(str(k8s.url).rstrip("/")),
+            clusterwide=True,
+            standalone=True,
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
     try:
         await asyncio.wait_for(ready.wait(), 30)
         yield
@@ -101,9 +116,12 @@ def _safe(predicate: Callable[[], bool]) -> bool:
 
 
 async def create_isvc(k8s: KubeEmulator, replicas: int, autoscaling: dict[str, Any]) -> None:
-    body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": "InferenceService",
-            "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": {"uri": "hf://org/tiny"}, "replicas": replicas, "autoscaling": autoscaling}}
+    body = {
+        "apiVersion": f"{crd.GROUP}/{crd.VERSION}",
+        "kind": "InferenceService",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {"model": {"uri": "hf://org/tiny"}, "replicas": replicas, "autoscaling": autoscaling},
+    }
     resp = await k8s.post(CR_URL, json=body)
     assert resp.status in (200, 201), await resp.text()
     # The operator's reconcile would publish the selector; here the test does (see module docstring).
@@ -112,12 +130,22 @@ async def create_isvc(k8s: KubeEmulator, replicas: int, autoscaling: dict[str, A
 
 
 async def add_pod(k8s: KubeEmulator, name: str, fake: FakePod, ready: bool = True) -> None:
-    body = {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": {"app": "llm"},
-                         "annotations": {METRICS_PORT_ANNOTATION: str(fake.port)}},
-            "spec": {"containers": [{"name": "server", "image": "pagoda-server"}]},
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"app": "llm"},
+            "annotations": {METRICS_PORT_ANNOTATION: str(fake.port)},
+        },
+        "spec": {"containers": [{"name": "server", "image": "pagoda-server"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
     resp = await k8s.post(PODS_URL, json=body)
     assert resp.status in (200, 201), await resp.text()
 
@@ -156,11 +184,15 @@ async def test_scales_up_on_kv_then_down_after_the_window(k8s: KubeEmulator, fak
         pod1 = await fake_pods.start(metrics_text(kv=0.5, waiting=0))
         await add_pod(k8s, "llm-1", pod1)
         pod0.text = metrics_text(kv=0.5, waiting=0)
-        await eventually(lambda: isvc(k8s)["status"]["autoscaling"]["metrics"]["llm-1"]["kvCacheUsage"] == 0.5)
+        await eventually(
+            lambda: isvc(k8s)["status"]["autoscaling"]["metrics"]["llm-1"]["kvCacheUsage"] == 0.5
+        )
         assert replicas(k8s) == 2  # 0.5/0.7: still worth 2 (ceil(2 × 0.71) = 2)
         pod0.text = pod1.text = metrics_text(kv=0.0, waiting=0)
         idle_since = loop.time()
-        await eventually(lambda: isvc(k8s)["status"]["autoscaling"]["proposals"]["kvCacheUsage"]["replicas"] == 0)
+        await eventually(
+            lambda: isvc(k8s)["status"]["autoscaling"]["proposals"]["kvCacheUsage"]["replicas"] == 0
+        )
         assert replicas(k8s) == 2  # proposal ceil(2 × 0 / 0.7) = 0, but the window holds the earlier 2
         assert "scale-down stabilized" in isvc(k8s)["status"]["autoscaling"]["reason"]
 
@@ -190,12 +222,15 @@ async def test_queue_spike_and_missing_pods(k8s: KubeEmulator, fake_pods: FakePo
     assert "queueDepth proposes 6" in auto["reason"] and "maxReplicas 4" in auto["reason"]
 
 
-async def test_disabled_never_touches_replicas_but_reports_kv(k8s: KubeEmulator, fake_pods: FakePodFarm) -> None:
+async def test_disabled_never_touches_replicas_but_reports_kv(
+    k8s: KubeEmulator, fake_pods: FakePodFarm
+) -> None:
     """Switched off (here: after a decision was recorded), it only reports: spec.replicas is the user's."""
     full = await fake_pods.start(metrics_text(kv=1.0, waiting=40))
     await create_isvc(k8s, replicas=1, autoscaling={**AUTOSCALING, "enabled": False})
-    await k8s.patch(f"{CR_URL}/{NAME}/status", json={"status": {"autoscaling": {"desiredReplicas": 3}}},
-                    headers=MERGE)
+    await k8s.patch(
+        f"{CR_URL}/{NAME}/status", json={"status": {"autoscaling": {"desiredReplicas": 3}}}, headers=MERGE
+    )
     await add_pod(k8s, "llm-0", full)
     async with running_operator(k8s):
         await eventually(lambda: isvc(k8s)["status"]["kvCache"]["usage"] == 1.0)

@@ -31,7 +31,9 @@ def test_bash_parses(script: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="needs shellcheck")
 def test_shellcheck_clean() -> None:
-    result = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        ["shellcheck", "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
 
 

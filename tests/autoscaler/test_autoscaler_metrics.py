@@ -26,14 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_parse_pod_metrics() -> None:
     sample = parse_metrics(metrics_text(kv=0.625, waiting=3, running=5, num_blocks=64, block_size=16))
-    assert sample == PodSample(kv_cache_usage=0.625, waiting=3.0, running=5.0, capacity_tokens=1024,
-                               block_size=16, num_blocks=64)
+    assert sample == PodSample(
+        kv_cache_usage=0.625, waiting=3.0, running=5.0, capacity_tokens=1024, block_size=16, num_blocks=64
+    )
     assert sample.values() == {KV_CACHE_USAGE: 0.625, QUEUE_DEPTH: 3.0}
 
 
 def test_parse_refuses_incomplete_or_garbage_text() -> None:
-    without_queue = "\n".join(line for line in metrics_text(0.5, 1).splitlines()
-                              if "num_requests_waiting" not in line)
+    without_queue = "\n".join(
+        line for line in metrics_text(0.5, 1).splitlines() if "num_requests_waiting" not in line
+    )
     with pytest.raises(MetricsError, match="pagoda_num_requests_waiting"):
         parse_metrics(without_queue)
     with pytest.raises(MetricsError):
@@ -55,8 +57,13 @@ async def test_scrape_pods_concurrently_with_a_short_timeout(fake_pods: FakePodF
     slow = await fake_pods.start(metrics_text(kv=0.9, waiting=9))
     slow.delay = 1.0
     empty = await fake_pods.start("# nothing here\n")
-    targets = [PodTarget("good", good.url), PodTarget("failing", failing.url), PodTarget("slow", slow.url),
-               PodTarget("empty", empty.url), PodTarget("gone", "http://127.0.0.1:9/metrics")]
+    targets = [
+        PodTarget("good", good.url),
+        PodTarget("failing", failing.url),
+        PodTarget("slow", slow.url),
+        PodTarget("empty", empty.url),
+        PodTarget("gone", "http://127.0.0.1:9/metrics"),
+    ]
 
     result = await scrape_pods(targets, timeout=0.3)
 
@@ -75,12 +82,22 @@ def test_parse_the_real_servers_exposition() -> None:
     server_metrics = ServerMetrics("tiny")
     with pytest.raises(MetricsError):  # model still loading: no engine gauges yet → a missing pod
         parse_metrics(server_metrics.exposition().decode())
-    server_metrics.attach(lambda: EngineStats(num_running=3, num_waiting=5, num_blocks_total=64,
-                                              num_blocks_used=48, block_size=16, capacity_tokens=1024,
-                                              max_model_len=512, dtype="float32"))
+    server_metrics.attach(
+        lambda: EngineStats(
+            num_running=3,
+            num_waiting=5,
+            num_blocks_total=64,
+            num_blocks_used=48,
+            block_size=16,
+            capacity_tokens=1024,
+            max_model_len=512,
+            dtype="float32",
+        )
+    )
     sample = parse_metrics(server_metrics.exposition().decode())
-    assert sample == PodSample(kv_cache_usage=0.75, waiting=5.0, running=3.0, capacity_tokens=1024,
-                               block_size=16, num_blocks=64)
+    assert sample == PodSample(
+        kv_cache_usage=0.75, waiting=5.0, running=3.0, capacity_tokens=1024, block_size=16, num_blocks=64
+    )
 
 
 class LabelledPrometheus(PrometheusServer):
@@ -94,7 +111,8 @@ class LabelledPrometheus(PrometheusServer):
         path = super()._write_config()
         config = json.loads(path.read_text())
         config["scrape_configs"][0]["static_configs"] = [
-            {"targets": [target], "labels": {"namespace": "ns1", "pod": pod}} for pod, target in self.pods.items()
+            {"targets": [target], "labels": {"namespace": "ns1", "pod": pod}}
+            for pod, target in self.pods.items()
         ]
         path.write_text(json.dumps(config))
         return path
@@ -108,8 +126,9 @@ async def test_query_prometheus_instead_of_scraping(fake_pods: FakePodFarm, tmp_
     await asyncio.to_thread(prom.start)
     try:
         await asyncio.to_thread(prom.wait_for, 'count(pagoda_kv_cache_usage_ratio{namespace="ns1"}) == 2')
-        result = await query_prometheus(prom.url, "ns1", ["llm-a", "llm-b", "llm-gone"], timeout=5,
-                                        max_age_s=30)
+        result = await query_prometheus(
+            prom.url, "ns1", ["llm-a", "llm-b", "llm-gone"], timeout=5, max_age_s=30
+        )
     finally:
         await asyncio.to_thread(prom.stop)
     assert result["llm-a"] == PodSample(0.25, 1.0, 2.0, capacity_tokens=1024, block_size=16, num_blocks=64)

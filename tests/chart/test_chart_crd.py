@@ -13,7 +13,8 @@ def test_chart_crds_equal_the_top_level_crds():
     assert top and chart.keys() == top.keys(), "charts/pagoda/crds/ and crds/ hold different files"
     for name, text in top.items():
         assert list(yaml.safe_load_all(chart[name])) == list(yaml.safe_load_all(text)), (
-            f"charts/pagoda/crds/{name} is stale")
+            f"charts/pagoda/crds/{name} is stale"
+        )
 
 
 def test_the_crd_is_the_contract_one(render):
@@ -30,18 +31,34 @@ def test_the_peering_crds_are_the_ones_kopf_uses(render):
     in, and a status that keeps what kopf writes there (one key per operator replica)."""
     from kopf._cogs.structs import references
 
-    peerings = [obj for obj in render()
-                if obj["kind"] == "CustomResourceDefinition" and obj["spec"]["group"] == "kopf.dev"]
+    peerings = [
+        obj
+        for obj in render()
+        if obj["kind"] == "CustomResourceDefinition" and obj["spec"]["group"] == "kopf.dev"
+    ]
     scopes = {}
     for crd in peerings:
         (version,) = crd["spec"]["versions"]
         names = crd["spec"]["names"]
-        assert crd["metadata"]["name"] == f"{names['plural']}.kopf.dev" and version["served"] and version["storage"]
-        resource = references.Resource(group="kopf.dev", version=version["name"], plural=names["plural"],
-                                       kind=names["kind"], singular=names["singular"])
-        (selector,) = [s for s in (references.CLUSTER_PEERINGS_K, references.NAMESPACED_PEERINGS_K)
-                       if s.check(resource)]
+        assert (
+            crd["metadata"]["name"] == f"{names['plural']}.kopf.dev"
+            and version["served"]
+            and version["storage"]
+        )
+        resource = references.Resource(
+            group="kopf.dev",
+            version=version["name"],
+            plural=names["plural"],
+            kind=names["kind"],
+            singular=names["singular"],
+        )
+        (selector,) = [
+            s for s in (references.CLUSTER_PEERINGS_K, references.NAMESPACED_PEERINGS_K) if s.check(resource)
+        ]
         scopes[selector] = crd["spec"]["scope"]
         status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
         assert status == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    assert scopes == {references.CLUSTER_PEERINGS_K: "Cluster", references.NAMESPACED_PEERINGS_K: "Namespaced"}
+    assert scopes == {
+        references.CLUSTER_PEERINGS_K: "Cluster",
+        references.NAMESPACED_PEERINGS_K: "Namespaced",
+    }

@@ -45,8 +45,14 @@ ALL_FEATURES = [
     "--set",
     "operator.extraEnv[0].value=debug",
 ]
-NAMESPACED_PEERED = ["--set", "operator.watchNamespaces={a,b}", "--set", "operator.peering=pagoda",
-                     "--set", "operator.replicas=2"]
+NAMESPACED_PEERED = [
+    "--set",
+    "operator.watchNamespaces={a,b}",
+    "--set",
+    "operator.peering=pagoda",
+    "--set",
+    "operator.replicas=2",
+]
 MODES = {
     "default": [],
     "namespaced": ["--set", "operator.watchNamespaces={a,b}"],
@@ -191,8 +197,12 @@ def check_custom_resource(obj: dict, crds: list[dict]) -> None:
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
     assert ("namespace" in obj["metadata"]) == (crd["spec"]["scope"] == "Namespaced"), obj["metadata"]
     schema = {**served["schema"]["openAPIV3Schema"], "additionalProperties": False}
-    schema["properties"] = {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                            "metadata": {"type": "object"}, **schema["properties"]}
+    schema["properties"] = {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        **schema["properties"],
+    }
     jsonschema.validate(obj, schema)
 
 
@@ -276,8 +286,11 @@ def test_peering_objects_are_the_ones_the_operator_patches(render, mode):
     operator serves all namespaces, else a KopfPeering in each watched namespace (kopf patches them,
     never creates them). Standalone: none."""
     objects = render(*MODES[mode])
-    peerings = {(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
-                for obj in objects if obj["apiVersion"] == "kopf.dev/v1"}
+    peerings = {
+        (obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        for obj in objects
+        if obj["apiVersion"] == "kopf.dev/v1"
+    }
     args = operator_container(objects)["args"]
     if mode not in PEERED_MODES:
         assert peerings == set() and "--standalone" in args

@@ -38,8 +38,9 @@ def tiny_bench(monkeypatch):
 def test_bench_full_mode_runs_every_path(tiny_bench, tmp_path):
     report = bench.Report(device="cpu (stand-in)", versions={})
     saved_timings = []  # what a run killed at its time limit would have left, section by section
-    bench.run_full(report, torch.device("cpu"), engine=True,
-                   checkpoint=lambda: saved_timings.append(len(report.timings)))
+    bench.run_full(
+        report, torch.device("cpu"), engine=True, checkpoint=lambda: saved_timings.append(len(report.timings))
+    )
     bench.write_report(report, tmp_path)
 
     assert len(saved_timings) >= 5 and saved_timings == sorted(saved_timings)

@@ -20,6 +20,9 @@ BACKENDS = {
     "split": TritonBackend(decode_block_n=16, decode_partitions=3),
     "cpu": CpuBackend(),
 }
+# What unowned cache slots hold: NaN for Triton; finite garbage for the CPU backend, whose contract is a
+# finite pool (the engine's is zeroed at allocation).
+POISON = {"cpu": 1e4}
 
 
 def _check_decode(
@@ -43,6 +46,7 @@ def _check_decode(
         block_size,
         dtype,
         shared_blocks=shared_blocks,
+        poison=POISON.get(backend.name, True),
         generator=generator,
     )
     query = random_queries(len(context_lens), num_kv_heads * group, head_dim, dtype, generator=generator)

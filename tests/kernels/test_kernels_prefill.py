@@ -73,7 +73,9 @@ LATIN = latin_square([8, 16, 32], [1, 4, 8], DTYPES)
 @pytest.mark.parametrize(("block_size", "group", "dtype"), LATIN, ids=[case_id(*case) for case in LATIN])
 @pytest.mark.parametrize("mode", list(BACKENDS))
 def test_prefill_matches_reference(mode, group, block_size, dtype, reference, generator):
-    _check_prefill(BACKENDS[mode], reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype)
+    _check_prefill(
+        BACKENDS[mode], reference, generator, MIXED, group=group, block_size=block_size, dtype=dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

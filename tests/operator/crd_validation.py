@@ -18,15 +18,25 @@ import celpy
 import jsonschema
 from pagoda.operator import crd
 
-FORBIDDEN_IN_STRUCTURAL = {"$ref", "definitions", "dependencies", "additionalItems", "patternProperties",
-                           "id", "$schema"}
+FORBIDDEN_IN_STRUCTURAL = {
+    "$ref",
+    "definitions",
+    "dependencies",
+    "additionalItems",
+    "patternProperties",
+    "id",
+    "$schema",
+}
 
 
 def strict(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with `additionalProperties: false` wherever unknown fields would be pruned."""
     node = copy.deepcopy(schema)
-    if node.get("type") == "object" and "properties" in node and not node.get(
-            "x-kubernetes-preserve-unknown-fields"):
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         node.setdefault("additionalProperties", False)
         node["properties"] = {k: strict(v) for k, v in node["properties"].items()}
     if isinstance(node.get("items"), dict):
@@ -57,7 +67,9 @@ _ENV = celpy.Environment()
 def cel_errors(spec: dict[str, Any]) -> list[str]:
     """Every CEL rule of spec's schema that the defaulted spec breaks, as '<path>: <message>'."""
     errors = []
-    for where, rule, value in _rule_sites(crd.schema()["properties"]["spec"], crd.with_defaults(spec), "spec"):
+    for where, rule, value in _rule_sites(
+        crd.schema()["properties"]["spec"], crd.with_defaults(spec), "spec"
+    ):
         program = _ENV.program(_ENV.compile(rule["rule"]))
         result = program.evaluate({"self": celpy.json_to_cel(value)})
         if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):  # False or an eval error
@@ -83,8 +95,9 @@ def all_rules(schema: dict[str, Any] | None = None) -> Iterator[str]:
 def structural_problems(node: dict[str, Any], where: str = "") -> list[str]:
     """Kubernetes' structural-schema rules (apiextensions: "Specifying a structural schema")."""
     problems = []
-    if "type" not in node and not (node.get("x-kubernetes-int-or-string")
-                                   or node.get("x-kubernetes-preserve-unknown-fields")):
+    if "type" not in node and not (
+        node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         problems.append(f"{where or '<root>'}: no type")
     if "properties" in node and "additionalProperties" in node:
         problems.append(f"{where}: properties and additionalProperties together")

@@ -12,16 +12,23 @@ def parse(*argv: str):
 
 
 def test_contract_flags_parse():
-    args = parse("--namespace=ml", "--namespace=prod", "--health-port=8080", "--metrics-port=8081",
-                 "--peering=pagoda")
+    args = parse(
+        "--namespace=ml", "--namespace=prod", "--health-port=8080", "--metrics-port=8081", "--peering=pagoda"
+    )
     assert args.namespace == ["ml", "prod"] and not args.all_namespaces
-    assert (args.health_port, args.metrics_port, args.peering, args.standalone) == (8080, 8081, "pagoda", False)
+    assert (args.health_port, args.metrics_port, args.peering, args.standalone) == (
+        8080,
+        8081,
+        "pagoda",
+        False,
+    )
     args = parse("--all-namespaces", "--standalone")
     assert args.all_namespaces and args.standalone and args.namespace == []
 
 
-@pytest.mark.parametrize("argv", [[], ["--all-namespaces", "--namespace=ml"],
-                                  ["--all-namespaces", "--peering=x", "--standalone"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["--all-namespaces", "--namespace=ml"], ["--all-namespaces", "--peering=x", "--standalone"]]
+)
 def test_scope_and_peering_are_explicit_and_exclusive(argv, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)

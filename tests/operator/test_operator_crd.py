@@ -21,7 +21,8 @@ K8S_VERSION = kubernetes_validate.latest_version()
 @pytest.mark.parametrize("output", crd.OUTPUTS)
 def test_generated_crd_files_are_up_to_date(output):
     assert (ROOT / output).read_text() == crd.render_yaml(), (
-        "stale: run `python -m pagoda.operator.crd --write`")
+        "stale: run `python -m pagoda.operator.crd --write`"
+    )
 
 
 def test_crd_is_a_valid_apiextensions_object():
@@ -36,9 +37,11 @@ def test_crd_names_scale_and_printer_columns():
     spec = crd.crd()["spec"]
     assert spec["names"]["shortNames"] == ["pisvc"] and "isvc" not in spec["names"]["shortNames"]
     version = spec["versions"][0]
-    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                                "statusReplicasPath": ".status.replicas",
-                                                "labelSelectorPath": ".status.selector"}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["KV"] == ".status.kvCache.usage" and columns["Model"] == ".status.model"
     assert columns["Source"] == ".spec.model.uri"
@@ -79,19 +82,37 @@ def test_bad_specs_are_refused_for_the_stated_reason(path):
 
 
 def test_cel_rules_accept_their_edge_cases():
-    assert cel_errors({"model": {"uri": "hf://o/m"},
-                       "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 3}}) == []
+    assert (
+        cel_errors(
+            {
+                "model": {"uri": "hf://o/m"},
+                "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 3},
+            }
+        )
+        == []
+    )
     assert cel_errors({"model": {"uri": "hf://o/m", "hfTokenSecretRef": {"name": "s"}}}) == []
     assert cel_errors({"model": {"uri": "hf://o/m"}, "autoscaling": {"enabled": False}}) == []
     assert cel_errors({"model": {}}) == []  # no uri: the embedded model
     assert cel_errors({"model": {"hfTokenSecretRef": {"name": "s"}}}) != []  # a token, nothing to download
 
 
-@pytest.mark.parametrize(("uri", "ok"), [
-    ("hf://org/name", True), ("hf://org/name@v1.0", True), ("hf://org/na.me@refs/pr/1", True),
-    ("pvc://claim/path/to/model", True), ("pvc://claim", True), ("file:///weights", True),
-    ("hf://name", False), ("hf:///org/name", False), ("pvc://Claim/x", False), ("file://rel", False),
-    ("https://huggingface.co/org/name", False)])
+@pytest.mark.parametrize(
+    ("uri", "ok"),
+    [
+        ("hf://org/name", True),
+        ("hf://org/name@v1.0", True),
+        ("hf://org/na.me@refs/pr/1", True),
+        ("pvc://claim/path/to/model", True),
+        ("pvc://claim", True),
+        ("file:///weights", True),
+        ("hf://name", False),
+        ("hf:///org/name", False),
+        ("pvc://Claim/x", False),
+        ("file://rel", False),
+        ("https://huggingface.co/org/name", False),
+    ],
+)
 def test_model_uri_pattern(uri, ok):
     assert (re.fullmatch(crd.MODEL_URI_PATTERN, uri) is not None) is ok
 

@@ -13,10 +13,16 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
 def deployment(name: str = "d", replicas: int = 1, **labels: str) -> dict:
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "namespace": "ns1", "labels": labels or {"app": name}},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-                     "template": {"metadata": {"labels": {"app": name}}, "spec": {"containers": []}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "ns1", "labels": labels or {"app": name}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": {"containers": []}},
+        },
+    }
 
 
 @pytest.fixture
@@ -29,8 +35,9 @@ async def test_create_stamps_server_metadata(k8s):
     created = await (await k8s.post(DEPLOYMENTS, json=deployment())).json()
     meta = created["metadata"]
     assert meta["uid"] and meta["creationTimestamp"] and meta["generation"] == 1
-    event = await (await k8s.post("/api/v1/namespaces/ns1/events",
-                                  json={"metadata": {"generateName": "x."}})).json()
+    event = await (
+        await k8s.post("/api/v1/namespaces/ns1/events", json={"metadata": {"generateName": "x."}})
+    ).json()
     assert event["metadata"]["name"].startswith("x.") and len(event["metadata"]["name"]) > 2
 
 
@@ -51,14 +58,18 @@ async def test_status_isolation_generation_and_scale(k8s):
     await k8s.post(DEPLOYMENTS, json=deployment())
     await k8s.patch(f"{DEPLOYMENTS}/d", json={"status": {"replicas": 9}}, headers=MERGE)
     assert "status" not in k8s.objects["apps/v1/deployments", "ns1", "d"]
-    await k8s.patch(f"{DEPLOYMENTS}/d/status", json={"spec": {"replicas": 7}, "status": {"replicas": 2}},
-                    headers=MERGE)
+    await k8s.patch(
+        f"{DEPLOYMENTS}/d/status", json={"spec": {"replicas": 7}, "status": {"replicas": 2}}, headers=MERGE
+    )
     obj = k8s.objects["apps/v1/deployments", "ns1", "d"]
     assert obj["spec"]["replicas"] == 1 and obj["status"]["replicas"] == 2
     assert obj["metadata"]["generation"] == 1
-    scale = await (await k8s.patch(f"{DEPLOYMENTS}/d/scale", json={"spec": {"replicas": 4}},
-                                   headers=MERGE)).json()
-    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 4 and scale["status"]["selector"] == "app=d"
+    scale = await (
+        await k8s.patch(f"{DEPLOYMENTS}/d/scale", json={"spec": {"replicas": 4}}, headers=MERGE)
+    ).json()
+    assert (
+        scale["kind"] == "Scale" and scale["spec"]["replicas"] == 4 and scale["status"]["selector"] == "app=d"
+    )
     obj = k8s.objects["apps/v1/deployments", "ns1", "d"]
     assert obj["spec"]["replicas"] == 4 and obj["metadata"]["generation"] == 2
 
@@ -66,7 +77,9 @@ async def test_status_isolation_generation_and_scale(k8s):
 async def test_label_selector_and_garbage_collection(k8s):
     owner = await (await k8s.post(DEPLOYMENTS, json=deployment("owner"))).json()
     ref = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "owner", "uid": owner["metadata"]["uid"]}
-    pod = {"metadata": {"name": "p", "namespace": "ns1", "labels": {"app": "owner"}, "ownerReferences": [ref]}}
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns1", "labels": {"app": "owner"}, "ownerReferences": [ref]}
+    }
     await k8s.post("/api/v1/namespaces/ns1/pods", json=pod)
     await k8s.post("/api/v1/namespaces/ns1/pods", json={"metadata": {"name": "q", "labels": {"app": "x"}}})
     listed = await (await k8s.get("/api/v1/namespaces/ns1/pods?labelSelector=app%3Downer")).json()
@@ -76,8 +89,16 @@ async def test_label_selector_and_garbage_collection(k8s):
     assert not k8s.objects["v1/pods", "ns1", "q"].deleted
 
 
-@pytest.mark.parametrize(("selector", "expected"), [
-    ("a=1,b", True), ("a!=1", False), ("a in (1,2),!c", True), ("a notin (1)", False), ("c", False),
-    ("a==1", True)])
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        ("a=1,b", True),
+        ("a!=1", False),
+        ("a in (1,2),!c", True),
+        ("a notin (1)", False),
+        ("c", False),
+        ("a==1", True),
+    ],
+)
 def test_label_selector_grammar(selector, expected):
     assert labels_match(selector, {"a": "1", "b": "2"}) is expected

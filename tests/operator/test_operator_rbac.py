@@ -69,21 +69,30 @@ def recorded_calls(k8s) -> set[Call]:
 
 def peering_patches(k8s) -> set[tuple[str, str | None, str]]:
     """(plural, namespace, name) of every peering object kopf's session patched."""
-    return {(r.resource.plural, r.namespace, r.name) for r in list(k8s)
-            if r.headers.get("User-Agent", "").startswith("kopf/") and r.resource is not None
-            and r.resource.group == "kopf.dev" and str(getattr(r.method, "value", r.method)).upper() == "PATCH"}
+    return {
+        (r.resource.plural, r.namespace, r.name)
+        for r in list(k8s)
+        if r.headers.get("User-Agent", "").startswith("kopf/")
+        and r.resource is not None
+        and r.resource.group == "kopf.dev"
+        and str(getattr(r.method, "value", r.method)).upper() == "PATCH"
+    }
 
 
 async def lifecycle(k8s, namespaces: list[str] | None, peering: str | None) -> None:
     """Create, update, scale, crash, drop the ServiceMonitor, restart: every kind of call once."""
     async with running_operator(k8s, namespaces, peering=peering):
-        await create(k8s, isvc(replicas=2, model={"uri": "hf://org/model", "hfTokenSecretRef": {"name": "t"}}))
+        await create(
+            k8s, isvc(replicas=2, model={"uri": "hf://org/model", "hfTokenSecretRef": {"name": "t"}})
+        )
         await eventually(lambda: live(k8s, PDB, "llm") and condition(k8s, "llm", "ServiceMonitor"))
         await patch(k8s, f"{CR_URL}/llm", {"spec": {"engine": {"maxNumSeqs": 8}}})
         await eventually(lambda: live(k8s, DEP, "llm")["metadata"]["generation"] == 2)
         await patch(k8s, f"{CR_URL}/llm/scale", {"spec": {"replicas": 1}})
         await eventually(lambda: k8s.objects[PDB, NS, "llm"].deleted)
-        crash = server_pod(live(k8s, DEP, "llm"), "llm-x", {"state": {"waiting": {"reason": "CrashLoopBackOff"}}})
+        crash = server_pod(
+            live(k8s, DEP, "llm"), "llm-x", {"state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+        )
         await k8s.post(PODS_URL, json=crash)
         await eventually(lambda: condition(k8s, "llm", "Degraded")["reason"] == "CrashLoopBackOff")
         await eventually(lambda: any(e["reason"] == "CrashLoopBackOff" for e in events(k8s)), what="event")
@@ -122,16 +131,23 @@ def rendered_roles(watch_namespaces: list[str], peering: str | None) -> list[dic
 def roles_without_helm(watch_namespaces: list[str]) -> list[dict]:
     """Fallback: the rule lists of rbac.yaml with template lines stripped (peering rules included)."""
     text = RBAC_TEMPLATE.read_text()
-    workload = yaml.safe_load(re.sub(r"^\s*\{\{.*\}\}\s*$", "", text.split("{{- end }}")[0].split("-}}", 1)[1],
-                                     flags=re.M))
-    blocks = [yaml.safe_load(re.sub(r"^\s*\{\{.*\}\}\s*$", "", block, flags=re.M))
-              for block in re.findall(r"^rules:\n(.*?)^---", text, flags=re.S | re.M)]
+    workload = yaml.safe_load(
+        re.sub(r"^\s*\{\{.*\}\}\s*$", "", text.split("{{- end }}")[0].split("-}}", 1)[1], flags=re.M)
+    )
+    blocks = [
+        yaml.safe_load(re.sub(r"^\s*\{\{.*\}\}\s*$", "", block, flags=re.M))
+        for block in re.findall(r"^rules:\n(.*?)^---", text, flags=re.S | re.M)
+    ]
     extra = [[r for r in block or [] if isinstance(r, dict)] for block in blocks]
     if not watch_namespaces:
         return [{"kind": "ClusterRole", "rules": [*workload, *extra[0]]}]
-    return [{"kind": "ClusterRole", "rules": extra[1]},
-            *({"kind": "Role", "metadata": {"namespace": ns}, "rules": [*workload, *extra[2]]}
-              for ns in watch_namespaces)]
+    return [
+        {"kind": "ClusterRole", "rules": extra[1]},
+        *(
+            {"kind": "Role", "metadata": {"namespace": ns}, "rules": [*workload, *extra[2]]}
+            for ns in watch_namespaces
+        ),
+    ]
 
 
 def grants(roles: list[dict]) -> set[Call]:
@@ -149,7 +165,8 @@ def grants(roles: list[dict]) -> set[Call]:
 def allowed(call: Call, granted: set[Call]) -> bool:
     group, resource, verb, namespace = call
     return (group, resource, verb, "*") in granted or (
-        namespace is not None and (group, resource, verb, namespace) in granted)
+        namespace is not None and (group, resource, verb, namespace) in granted
+    )
 
 
 def autoscaler_only_calls() -> set[tuple[str, str, str]]:
@@ -190,10 +207,15 @@ async def test_kopf_peers_in_the_objects_the_chart_creates(kmock, tmp_path, monk
     prepare_cluster(kmock, tmp_path, monkeypatch)
     async with running_operator(kmock, watch_namespaces or None):
         await eventually(lambda: peering_patches(kmock), what="a peering patch")
-    chart = {(f"{d['kind'].lower()}s", d["metadata"].get("namespace"), d["metadata"]["name"])
-             for d in rendered_chart(watch_namespaces, PEERING) if d["apiVersion"].startswith("kopf.dev/")}
+    chart = {
+        (f"{d['kind'].lower()}s", d["metadata"].get("namespace"), d["metadata"]["name"])
+        for d in rendered_chart(watch_namespaces, PEERING)
+        if d["apiVersion"].startswith("kopf.dev/")
+    }
     assert peering_patches(kmock) == chart
-    assert chart == ({("kopfpeerings", NS, PEERING)} if watch_namespaces else {("clusterkopfpeerings", None, PEERING)})
+    assert chart == (
+        {("kopfpeerings", NS, PEERING)} if watch_namespaces else {("clusterkopfpeerings", None, PEERING)}
+    )
 
 
 def test_the_fallback_parser_reads_the_same_rules_as_helm():
@@ -201,7 +223,9 @@ def test_the_fallback_parser_reads_the_same_rules_as_helm():
         pytest.skip("helm not installed: the fallback is what the RBAC test uses")
     for namespaces in ([], [NS]):
         for peering in (PEERING, None):
-            helm_roles = [d for d in rendered_chart(namespaces, peering) if d["kind"] in ("ClusterRole", "Role")]
+            helm_roles = [
+                d for d in rendered_chart(namespaces, peering) if d["kind"] in ("ClusterRole", "Role")
+            ]
             assert grants(rendered_roles(namespaces, peering)) == grants(helm_roles)
             if peering:
                 assert grants(roles_without_helm(namespaces)) == grants(helm_roles)

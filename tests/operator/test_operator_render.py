@@ -62,11 +62,16 @@ def test_every_rendered_object_is_valid_kubernetes(name):
         if obj["kind"] == "ServiceMonitor":
             # No schema for Prometheus Operator CRDs here: validate its core-typed parts (ObjectMeta,
             # LabelSelector) by carrying them in a PodDisruptionBudget, which has both.
-            carrier = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": obj["metadata"],
-                       "spec": {"selector": obj["spec"]["selector"]}}
+            carrier = {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": obj["metadata"],
+                "spec": {"selector": obj["spec"]["selector"]},
+            }
             kubernetes_validate.validate(carrier, K8S_VERSION, strict=True)
-            assert obj["spec"]["endpoints"] == [{"port": "http", "path": "/metrics",
-                                                 "interval": obj["spec"]["endpoints"][0]["interval"]}]
+            assert obj["spec"]["endpoints"] == [
+                {"port": "http", "path": "/metrics", "interval": obj["spec"]["endpoints"][0]["interval"]}
+            ]
             continue
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -97,8 +102,10 @@ def test_template_hash_ignores_replicas_and_autoscaling_but_not_engine():
     changed = copy.deepcopy(base)
     changed["engine"]["maxNumSeqs"] = 64
     annotation = render.TEMPLATE_HASH_ANNOTATION
-    assert (by_kind(rendered(changed))["Deployment"]["spec"]["template"]["metadata"]["annotations"][annotation]
-            != dep["spec"]["template"]["metadata"]["annotations"][annotation])
+    assert (
+        by_kind(rendered(changed))["Deployment"]["spec"]["template"]["metadata"]["annotations"][annotation]
+        != dep["spec"]["template"]["metadata"]["annotations"][annotation]
+    )
 
 
 def test_pod_security_and_writable_mounts():
@@ -127,7 +134,9 @@ def test_server_container_contract():
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= spec["startupTimeoutSeconds"]
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == spec["drainTimeoutSeconds"] + 10
+    assert (
+        dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == spec["drainTimeoutSeconds"] + 10
+    )
     assert variables["PAGODA_BLOCK_SIZE"]["value"] == "16"
     assert variables["PAGODA_ENABLE_PREFIX_CACHING"]["value"] == "true"
     assert variables["PAGODA_SERVED_MODEL_NAME"]["value"] == "llama-3.1-8b"
@@ -163,8 +172,14 @@ def test_user_env_replaces_ours_in_place():
     assert env(by_kind(rendered(spec))["Deployment"])["PAGODA_DTYPE"]["value"] == "float16"
 
 
-@pytest.mark.parametrize(("uri", "served"), [
-    ("hf://org/Model-7B@v2", "Model-7B"), ("pvc://claim/dir/qwen", "qwen"), ("file:///weights/tiny/", "tiny")])
+@pytest.mark.parametrize(
+    ("uri", "served"),
+    [
+        ("hf://org/Model-7B@v2", "Model-7B"),
+        ("pvc://claim/dir/qwen", "qwen"),
+        ("file:///weights/tiny/", "tiny"),
+    ],
+)
 def test_served_name_defaults_to_the_model_folder(uri, served):
     assert render.served_name({"model": {"uri": uri}}) == served
     assert render.client_model_name({"model": {"uri": uri}}) == served
@@ -226,10 +241,17 @@ def run_download(tmp_path, marker: bool):
     if marker:
         target.mkdir(parents=True)
         (target / render.DOWNLOAD_MARKER).write_text("v1")
-    env = {"PAGODA_MODEL": str(target), "HF_REPO_ID": "org/model", "HF_REVISION": "v1",
-           "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", render.DOWNLOAD_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=60)
+    env = {
+        "PAGODA_MODEL": str(target),
+        "HF_REPO_ID": "org/model",
+        "HF_REVISION": "v1",
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "HOME": str(tmp_path),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", render.DOWNLOAD_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
     return result, target
 
 

@@ -11,9 +11,15 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 
 
 def pod(name="p", phase="Running", containers=(), inits=(), conditions=()):
-    return {"metadata": {"name": name}, "status": {"phase": phase, "containerStatuses": list(containers),
-                                                   "initContainerStatuses": list(inits),
-                                                   "conditions": list(conditions)}}
+    return {
+        "metadata": {"name": name},
+        "status": {
+            "phase": phase,
+            "containerStatuses": list(containers),
+            "initContainerStatuses": list(inits),
+            "conditions": list(conditions),
+        },
+    }
 
 
 def server(**fields):
@@ -21,29 +27,95 @@ def server(**fields):
 
 
 def deployment(replicas=1, ready=1, updated=1, generation=1, observed=1, conditions=()):
-    return {"metadata": {"generation": generation},
-            "status": {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready,
-                       "updatedReplicas": updated, "conditions": list(conditions)}}
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "conditions": list(conditions),
+        },
+    }
 
 
-@pytest.mark.parametrize(("the_pod", "reason", "failing"), [
-    (pod(phase="Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                       "message": "0/3 nodes have nvidia.com/gpu"}]), "Unschedulable", True),
-    (pod(containers=[server(state={"waiting": {"reason": "ImagePullBackOff"}})]), "ImagePullBackOff", True),
-    (pod(containers=[server(state={"waiting": {"reason": "ErrImagePull"}})]), "ImagePullBackOff", True),
-    (pod(containers=[server(restartCount=3, state={"waiting": {"reason": "CrashLoopBackOff"}},
-                            lastState={"terminated": {"reason": "Error", "exitCode": 1}})]), "CrashLoopBackOff", True),
-    (pod(containers=[server(state={"waiting": {"reason": "CreateContainerConfigError",
-                                               "message": 'secret "hf" not found'}})]),
-     "CreateContainerConfigError", True),
-    (pod(phase="Pending", inits=[{"name": "model-download", "state": {"running": {"startedAt": T0}}}]),
-     "ModelDownloading", False),
-    (pod(phase="Pending", inits=[{"name": "model-download", "restartCount": 2,
-                                  "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                                  "lastState": {"terminated": {"exitCode": 1}}}]), "ModelDownloadFailed", True),
-    (pod(containers=[server(ready=False, state={"running": {"startedAt": T0}})]), "ModelLoading", False),
-    (pod(phase="Pending"), "PodStarting", False),
-])
+@pytest.mark.parametrize(
+    ("the_pod", "reason", "failing"),
+    [
+        (
+            pod(
+                phase="Pending",
+                conditions=[
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes have nvidia.com/gpu",
+                    }
+                ],
+            ),
+            "Unschedulable",
+            True,
+        ),
+        (
+            pod(containers=[server(state={"waiting": {"reason": "ImagePullBackOff"}})]),
+            "ImagePullBackOff",
+            True,
+        ),
+        (pod(containers=[server(state={"waiting": {"reason": "ErrImagePull"}})]), "ImagePullBackOff", True),
+        (
+            pod(
+                containers=[
+                    server(
+                        restartCount=3,
+                        state={"waiting": {"reason": "CrashLoopBackOff"}},
+                        lastState={"terminated": {"reason": "Error", "exitCode": 1}},
+                    )
+                ]
+            ),
+            "CrashLoopBackOff",
+            True,
+        ),
+        (
+            pod(
+                containers=[
+                    server(
+                        state={
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "hf" not found',
+                            }
+                        }
+                    )
+                ]
+            ),
+            "CreateContainerConfigError",
+            True,
+        ),
+        (
+            pod(phase="Pending", inits=[{"name": "model-download", "state": {"running": {"startedAt": T0}}}]),
+            "ModelDownloading",
+            False,
+        ),
+        (
+            pod(
+                phase="Pending",
+                inits=[
+                    {
+                        "name": "model-download",
+                        "restartCount": 2,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {"terminated": {"exitCode": 1}},
+                    }
+                ],
+            ),
+            "ModelDownloadFailed",
+            True,
+        ),
+        (pod(containers=[server(ready=False, state={"running": {"startedAt": T0}})]), "ModelLoading", False),
+        (pod(phase="Pending"), "PodStarting", False),
+    ],
+)
 def test_pod_problem(the_pod, reason, failing):
     problem = status.pod_problem(the_pod)
     assert (problem.reason, problem.failing) == (reason, failing)
@@ -64,8 +136,10 @@ def conditions_of(desired, obs):
 def test_complete_rollout_is_ready():
     ready_pod = pod(containers=[server(ready=True, state={"running": {}})])
     assert conditions_of(1, status.Observation(deployment(), [ready_pod])) == {
-        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
-        "Degraded": ("False", "AsExpected")}
+        "Ready": ("True", "AllReplicasReady"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+    }
 
 
 def test_not_yet_observed_generation_is_still_rolling_out():
@@ -80,8 +154,17 @@ def test_failure_wins_over_progress_and_names_the_reason():
 
 
 def test_stuck_rollout_and_refused_apply_degrade():
-    stuck = deployment(ready=0, conditions=[{"type": "Progressing", "status": "False",
-                                             "reason": "ProgressDeadlineExceeded", "message": "too slow"}])
+    stuck = deployment(
+        ready=0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "too slow",
+            }
+        ],
+    )
     assert conditions_of(1, status.Observation(stuck, []))["Degraded"] == ("True", "ProgressDeadlineExceeded")
     refused = status.Observation(deployment(), [], apply_error="PVC spec is immutable")
     assert conditions_of(1, refused)["Degraded"] == ("True", "ApplyFailed")
@@ -89,22 +172,29 @@ def test_stuck_rollout_and_refused_apply_degrade():
 
 def test_scaling_reasons_and_zero():
     assert conditions_of(1, status.Observation(deployment(replicas=2, ready=2, updated=2), []))[
-        "Progressing"] == ("True", "ScalingDown")
+        "Progressing"
+    ] == ("True", "ScalingDown")
     assert conditions_of(3, status.Observation(deployment(replicas=3, ready=1, updated=3), []))[
-        "Progressing"] == ("True", "ScalingUp")
-    assert conditions_of(0, status.Observation(deployment(replicas=0, ready=0, updated=0), []))[
-        "Ready"] == ("False", "ScaledToZero")
+        "Progressing"
+    ] == ("True", "ScalingUp")
+    assert conditions_of(0, status.Observation(deployment(replicas=0, ready=0, updated=0), []))["Ready"] == (
+        "False",
+        "ScaledToZero",
+    )
 
 
 def compute(obs, previous=None, now=T0, monitor="Created"):
-    return status.compute_status(OWNER, {"replicas": 1}, obs, generation=4, now=now, previous=previous,
-                                 service_monitor_state=monitor)
+    return status.compute_status(
+        OWNER, {"replicas": 1}, obs, generation=4, now=now, previous=previous, service_monitor_state=monitor
+    )
 
 
 def test_status_fields_and_endpoint_only_when_serving():
     serving = compute(status.Observation(deployment(), []))
     assert serving["endpoint"] == "http://llm.ml.svc:8000/v1" and serving["ready"] == "1/1"
-    assert serving["selector"] == "app.kubernetes.io/component=inference,serving.pagoda.dev/inferenceservice=llm"
+    assert (
+        serving["selector"] == "app.kubernetes.io/component=inference,serving.pagoda.dev/inferenceservice=llm"
+    )
     assert serving["observedGeneration"] == 4
     assert serving["model"] == "SmolLM2-135M-Instruct"  # no model in the spec: the embedded one
     assert all(c["observedGeneration"] == 4 for c in serving["conditions"])
@@ -142,15 +232,27 @@ def test_refused_apply_is_carried_until_a_reconcile_succeeds():
     assert status.carried_apply_error(compute(status.Observation(deployment(), []))) is None
 
 
-@pytest.mark.parametrize(("args", "query", "expected"), [
-    (("v1", "pods", "ml"), {"labelSelector": "a=b,c in (d)"},
-     "/api/v1/namespaces/ml/pods?labelSelector=a%3Db%2Cc%20in%20%28d%29"),
-    (("apps/v1", "deployments", "ml", "llm"), {}, "/apis/apps/v1/namespaces/ml/deployments/llm"),
-    (("serving.pagoda.dev/v1alpha1", "inferenceservices", "ml", "llm", "status"), {},
-     "/apis/serving.pagoda.dev/v1alpha1/namespaces/ml/inferenceservices/llm/status"),
-    (("apiextensions.k8s.io/v1", "customresourcedefinitions"), {},
-     "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
-])
+@pytest.mark.parametrize(
+    ("args", "query", "expected"),
+    [
+        (
+            ("v1", "pods", "ml"),
+            {"labelSelector": "a=b,c in (d)"},
+            "/api/v1/namespaces/ml/pods?labelSelector=a%3Db%2Cc%20in%20%28d%29",
+        ),
+        (("apps/v1", "deployments", "ml", "llm"), {}, "/apis/apps/v1/namespaces/ml/deployments/llm"),
+        (
+            ("serving.pagoda.dev/v1alpha1", "inferenceservices", "ml", "llm", "status"),
+            {},
+            "/apis/serving.pagoda.dev/v1alpha1/namespaces/ml/inferenceservices/llm/status",
+        ),
+        (
+            ("apiextensions.k8s.io/v1", "customresourcedefinitions"),
+            {},
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        ),
+    ],
+)
 def test_api_paths(args, query, expected):
     from pagoda.operator.kube import path
 

@@ -42,7 +42,9 @@ async def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_dir, tmp_pa
         async with aiohttp.ClientSession() as session:
             await wait_status(session, url + "/ready", 200, timeout=180)
             async with session.get(url + "/v1/models") as response:
-                assert (await response.json())["data"][0]["id"] == "pagoda/tiny-served"  # from the environment
+                assert (await response.json())["data"][0][
+                    "id"
+                ] == "pagoda/tiny-served"  # from the environment
             async with session.get(url + "/v1/models/pagoda/tiny-served") as response:
                 assert response.status == 200 and (await response.json())["id"] == "pagoda/tiny-served"
             body = {"model": "pagoda/tiny-served", "prompt": "Hello", "max_tokens": 150, "ignore_eos": True,

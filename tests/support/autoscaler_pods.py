@@ -13,29 +13,37 @@ from dataclasses import dataclass
 import aiohttp.web
 
 
-def metrics_text(kv: float, waiting: float, running: float = 0.0, num_blocks: int = 64,
-                 block_size: int = 16, model: str = "tiny") -> str:
+def metrics_text(
+    kv: float,
+    waiting: float,
+    running: float = 0.0,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    model: str = "tiny",
+) -> str:
     """Exposition text as a pagoda serving pod writes it (prometheus_client format)."""
     labels = f'model_name="{model}"'
-    return "\n".join([
-        "# HELP pagoda_kv_cache_usage_ratio KV blocks in use / total blocks",
-        "# TYPE pagoda_kv_cache_usage_ratio gauge",
-        f"pagoda_kv_cache_usage_ratio{{{labels}}} {kv}",
-        "# TYPE pagoda_num_requests_waiting gauge",
-        f"pagoda_num_requests_waiting{{{labels}}} {waiting}",
-        "# TYPE pagoda_num_requests_running gauge",
-        f"pagoda_num_requests_running{{{labels}}} {running}",
-        "# TYPE pagoda_kv_cache_blocks_total gauge",
-        f"pagoda_kv_cache_blocks_total{{{labels}}} {num_blocks}",
-        "# TYPE pagoda_kv_cache_capacity_tokens gauge",
-        f"pagoda_kv_cache_capacity_tokens{{{labels}}} {num_blocks * block_size}",
-        "# TYPE pagoda_engine_info gauge",
-        f'pagoda_engine_info{{{labels},block_size="{block_size}",num_blocks="{num_blocks}",'
-        'max_model_len="512",dtype="float32"} 1.0',
-        "# TYPE pagoda_preemptions_total counter",
-        f"pagoda_preemptions_total{{{labels}}} 3.0",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# HELP pagoda_kv_cache_usage_ratio KV blocks in use / total blocks",
+            "# TYPE pagoda_kv_cache_usage_ratio gauge",
+            f"pagoda_kv_cache_usage_ratio{{{labels}}} {kv}",
+            "# TYPE pagoda_num_requests_waiting gauge",
+            f"pagoda_num_requests_waiting{{{labels}}} {waiting}",
+            "# TYPE pagoda_num_requests_running gauge",
+            f"pagoda_num_requests_running{{{labels}}} {running}",
+            "# TYPE pagoda_kv_cache_blocks_total gauge",
+            f"pagoda_kv_cache_blocks_total{{{labels}}} {num_blocks}",
+            "# TYPE pagoda_kv_cache_capacity_tokens gauge",
+            f"pagoda_kv_cache_capacity_tokens{{{labels}}} {num_blocks * block_size}",
+            "# TYPE pagoda_engine_info gauge",
+            f'pagoda_engine_info{{{labels},block_size="{block_size}",num_blocks="{num_blocks}",'
+            'max_model_len="512",dtype="float32"} 1.0',
+            "# TYPE pagoda_preemptions_total counter",
+            f"pagoda_preemptions_total{{{labels}}} 3.0",
+            "",
+        ]
+    )
 
 
 @dataclass

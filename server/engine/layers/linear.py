@@ -1,36 +1,35 @@
-"""Projections: one matmul each, dense or with 4-bit weights; q/k/v and gate/up fused into one."""
+"""Projections: one matmul each (dense, or 4-bit for few-row steps); q/k/v and gate/up fused into one."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.engine.layers.quantized import Int4Weight
+from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight, few_rows
 from torch import nn
 
 
 class Linear(nn.Module):
-    """y = x Wᵀ + b. W is a dense parameter (what checkpoints load into) until `quantize` swaps it for
-    4-bit groups."""
+    """y = x Wᵀ + b. W is a dense parameter (what checkpoints load into); `quantize` adds a low-bit
+    copy of the same weight for the few-row steps where it wins (`layers/quantized.py`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.int4: Int4Weight | None = None
+        self.low_bit: Int4Weight | Int8Weight | None = None
 
-    def quantize(self, int4: Int4Weight) -> None:
-        if (int4.out_features, int4.in_features) != (self.out_features, self.in_features):
+    def quantize(self, low_bit: Int4Weight | Int8Weight) -> None:
+        if (low_bit.out_features, low_bit.in_features) != (self.out_features, self.in_features):
             raise ValueError(
-                f"4-bit weight is {int4.out_features}x{int4.in_features}, "
+                f"low-bit weight is {low_bit.out_features}x{low_bit.in_features}, "
                 f"the layer {self.out_features}x{self.in_features}"
             )
-        self.int4 = int4
-        self.weight = None  # the dense copy is dropped: the 4-bit groups are the weight now
+        self.low_bit = low_bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
-            return self.int4.matmul(x, self.bias)
+        if self.low_bit is not None and few_rows(x, self.in_features):
+            return self.low_bit.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,9 +1,17 @@
-"""4-bit weights in groups along the input dim, multiplied by torch's weight-only int4 CPU kernel.
+"""Low-bit copies of weights for steps with few rows, through torch's weight-only CPU kernels.
 
-Each group of `group_size` input weights of an output row has a scale and a zero:
+These kernels are matrix-vector kernels: reading 2-4x fewer bytes wins while a step has a few rows
+(reading the weights is the cost), and loses to a dense bf16 GEMM past that. So a layer keeps its
+dense weight for big steps and uses the low-bit copy when `few_rows`.
+
+`Int4Weight`: 4-bit groups along the input dim. Each group of `group_size` input weights of an output row has a scale and a zero:
 ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 (the kernel's convention). GGUF's Q4_0
 (``w = d * (q - 8)``) and Q4_1 (``w = d * q + m``) blocks of 32 are exactly this form, so a GGUF
-model runs on its own 4-bit numbers instead of a dequantized copy 4-8x the size.
+model runs on its own 4-bit numbers instead of a dequantized copy 4-8x the size when a step has
+few rows.
+
+`Int8Weight`: 8 bits per weight with one scale per output row, requantized from the dense weight (for
+GGUF's Q8_0 embedding / LM head, whose 32-weight block scales the int8 kernel cannot take).
 """
 
 from __future__ import annotations
@@ -12,6 +20,13 @@ import torch
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
+# Rows up to which the low-bit kernels beat a dense bf16 GEMM (measured on SmolLM2's shapes, 2 AVX512-BF16
+# cores: int4 3-5x at 1 row, even at 4-6 rows, 0.5x at 8; int8 2.5x at 1 row): docs/benchmarks.md.
+FEW_ROWS = 4
+
+
+def few_rows(x: torch.Tensor, in_features: int) -> bool:
+    return x.numel() <= FEW_ROWS * in_features
 
 
 class Int4Weight(nn.Module):
@@ -43,3 +58,24 @@ class Int4Weight(nn.Module):
         """The dense [out, in] weight these groups stand for (tests, and the accuracy measurements)."""
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return self.matmul(eye, None).t()
+
+
+class Int8Weight(nn.Module):
+    def __init__(self, dense: torch.Tensor, dtype: torch.dtype) -> None:
+        """dense: [out, in]; each row is scaled to the int8 range by its largest magnitude."""
+        super().__init__()
+        self.out_features, self.in_features = dense.shape
+        weight = dense.float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scales", scales.to(dtype))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(self.scales.dtype) * self.scales[:, None]
