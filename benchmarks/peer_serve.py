@@ -1,0 +1,317 @@
+"""pagoda serve against its peers on this machine, one after the other in one run, each with its defaults.
+
+    benchmarks/setup_peers.sh                        # once: the peers, each in a venv of its own
+    .venv/bin/python benchmarks/peer_serve.py --out benchmarks/results/peer_serve
+
+Servers (same model: the embedded SmolLM2-135M-Instruct; the HF folder is written once from its GGUF,
+so every server reads the same weights):
+- `pagoda serve` with no flags (the GGUF: bf16 on CPUs with native bf16, its Q4/Q8 weights for
+  few-row steps), and `pagoda serve --model <HF folder> --dtype D` for each dtype D;
+- `transformers serve --continuous-batching --dtype D` on the HF folder;
+- llama.cpp's OpenAI server (llama-cpp-python) on the GGUF, with as many threads as cores (its own
+  default here is half the cores; it serves one request at a time);
+- pagoda's offline engine in this process on the main workload (what HTTP costs).
+
+Workloads (streamed completions of random-word prompts, greedy, `ignore_eos` where the server honours it;
+throughput counts the tokens each server reports): the main one (32 requests, prompts of 5-125 words,
+16-64 output tokens, concurrency 16), the same shape at concurrency 1 and 64, and one request of 128
+tokens at a time (ms per output token). Prints markdown tables with ratios; --out writes JSON + markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagoda.server.bench.client import Target
+from pagoda.server.bench.dataset import BenchRequest, random_requests
+from pagoda.server.bench.report import summarize
+from pagoda.server.bench.runner import run_benchmark
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / ".peers"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    concurrency: int
+    input_words: tuple[int, int]  # prompt length range, words
+    output_tokens: tuple[int, int]
+
+    def requests(self) -> list[BenchRequest]:
+        (lo_in, hi_in), (lo_out, hi_out) = self.input_words, self.output_tokens
+        mean_in, mean_out = (lo_in + hi_in) / 2, (lo_out + hi_out) / 2
+        return random_requests(
+            self.num_prompts,
+            round(mean_in),
+            round(mean_out),
+            range_ratio=min((hi_in - lo_in) / 2 / mean_in, (hi_out - lo_out) / 2 / mean_out, 0.99),
+            seed=1,
+        )
+
+
+WORKLOADS = [
+    Workload("c16 (main)", 32, 16, (5, 125), (16, 64)),
+    Workload("c1", 8, 1, (5, 125), (16, 64)),
+    Workload("c64", 128, 64, (5, 125), (16, 64)),
+    Workload("single 128 tokens", 3, 1, (20, 20), (128, 128)),
+]
+
+
+@dataclass
+class Server:
+    label: str
+    argv: list[str]
+    model: str  # the name requests carry
+    env: dict[str, str] = field(default_factory=dict)
+    results: dict[str, dict] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def hf_folder_from_gguf(folder: Path) -> Path:
+    """The embedded GGUF, dequantized (transformers' GGUF reader, via pagoda's loader), as an HF folder
+    of safetensors; written once."""
+    if (folder / "config.json").is_file():
+        return folder
+    from pagoda.server.engine.loader import load_model
+    from safetensors.torch import save_file
+
+    loaded = load_model(None, dtype="float32")
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.contiguous() for name, t in loaded.model.checkpoint_targets().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded.hf_config.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def servers(dtypes: list[str], folder: Path, cores: int) -> list[Server]:
+    from pagoda.server.engine.loader import default_gguf_path
+
+    pagoda = [str(ROOT / ".venv" / "bin" / "pagoda"), "serve", "--host", "127.0.0.1"]
+    found = [
+        Server("pagoda (GGUF, defaults)", pagoda, "SmolLM2-135M-Instruct"),
+        Server(
+            f"llama.cpp (GGUF, {cores} threads)",
+            [
+                str(PEERS / "llamacpp" / "bin" / "python"),
+                "-m",
+                "llama_cpp.server",
+                "--host",
+                "127.0.0.1",
+                "--model",
+                str(default_gguf_path()),
+                "--model_alias",
+                "smollm2",
+                "--n_threads",
+                str(cores),
+                "--n_threads_batch",
+                str(cores),
+            ],
+            "smollm2",
+        ),
+    ]
+    for dtype in dtypes:
+        found.append(
+            Server(f"pagoda ({dtype})", [*pagoda, "--model", str(folder), "--dtype", dtype], folder.name)
+        )
+        found.append(
+            Server(
+                f"transformers serve CB ({dtype})",
+                [
+                    str(PEERS / "transformers" / "bin" / "transformers"),
+                    "serve",
+                    "--continuous-batching",
+                    "--host",
+                    "127.0.0.1",
+                    "--dtype",
+                    dtype,
+                    str(folder),
+                ],
+                str(folder),
+            )
+        )
+    return found
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"not ready after {timeout:.0f} s: {log.read_text()[-2000:]}")
+
+
+async def warm_up(base_url: str, model: str, timeout: float = 900.0) -> None:
+    """Short requests until one succeeds: the model is loaded (pagoda loads after its port opens,
+    transformers serve on first use) and warm before anything is timed."""
+    warm = [BenchRequest("Hello there", "Hello there", 2, 8)]
+    deadline = time.monotonic() + timeout
+    while True:
+        results, _ = await run_benchmark(Target(base_url, model), warm, progress=False, timeout=timeout)
+        if results[0].success:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up request failed: {results[0].error}")
+        await asyncio.sleep(1)
+
+
+def run_server(server: Server, out: Path) -> None:
+    port = free_port()
+    log = out / f"{server.label.split(' ')[0]}-{port}.log"
+    # cwd outside the repo: its `operator/` folder would shadow the stdlib module of peers' Pythons.
+    with log.open("w") as handle:
+        process = subprocess.Popen(
+            [*server.argv, "--port", str(port)],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=out,
+            env={**os.environ, "PYTHONSAFEPATH": "1", **server.env},
+            start_new_session=True,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(f"{base}/v1/models", process, log)
+        asyncio.run(warm_up(base, server.model))
+        for workload in WORKLOADS:
+            results, duration = asyncio.run(
+                run_benchmark(
+                    Target(base, server.model),
+                    workload.requests(),
+                    max_concurrency=workload.concurrency,
+                    progress=False,
+                    timeout=1800,
+                )
+            )
+            server.results[workload.name] = summarize(results, duration)
+            print(
+                f"  {server.label:34s} {workload.name:18s} {_line(server.results[workload.name])}", flush=True
+            )
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _line(summary: dict) -> str:
+    return (
+        f"{summary['output_throughput']:7.1f} tok/s  TPOT {summary['mean_tpot_ms']:6.1f} ms  "
+        f"failed {summary['failed_requests']}"
+    )
+
+
+def offline_main_workload() -> dict:
+    from pagoda.server.bench.offline import OfflineBaseline
+
+    main = WORKLOADS[0]
+    return OfflineBaseline({}).run(main.requests(), max_concurrency=main.concurrency)
+
+
+def markdown(found: list[Server], offline: dict | None) -> str:
+    by_label = {s.label: s for s in found}
+    lines = [
+        "| server | " + " | ".join(f"{w.name} tok/s" for w in WORKLOADS[:3]) + " | ms/token (1 stream) |"
+    ]
+    lines.append("|---" * 5 + "|")
+    for server in found:
+        cells = [
+            f"{server.results[w.name]['output_throughput']:.1f}"
+            for w in WORKLOADS[:3]
+            if w.name in server.results
+        ]
+        single = server.results.get(WORKLOADS[3].name)
+        cells.append(f"{single['mean_tpot_ms']:.1f}" if single else "-")
+        lines.append(f"| {server.label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| ratio | " + " | ".join(w.name for w in WORKLOADS[:3]) + " | ms/token (lower is better) |",
+    ]
+    lines.append("|---" * 5 + "|")
+    pairs = [("pagoda (GGUF, defaults)", s.label) for s in found if s.label.startswith("llama.cpp")]
+    pairs += [
+        (s.label, s.label.replace("pagoda", "transformers serve CB"))
+        for s in found
+        if s.label.startswith("pagoda (") and "GGUF" not in s.label
+    ]
+    for ours, peer in pairs:
+        if ours not in by_label or peer not in by_label:
+            continue
+        a, b = by_label[ours].results, by_label[peer].results
+        cells = [
+            f"{a[w.name]['output_throughput'] / b[w.name]['output_throughput']:.2f}x"
+            for w in WORKLOADS[:3]
+            if w.name in a and w.name in b and b[w.name]["output_throughput"]
+        ]
+        single = WORKLOADS[3].name
+        if single in a and single in b:
+            cells.append(f"{a[single]['mean_tpot_ms']:.1f} vs {b[single]['mean_tpot_ms']:.1f}")
+        lines.append(f"| {ours} / {peer} | " + " | ".join(cells) + " |")
+    if offline is not None and "pagoda (GGUF, defaults)" in by_label:
+        http = by_label["pagoda (GGUF, defaults)"].results[WORKLOADS[0].name]["output_throughput"]
+        lines += [
+            "",
+            f"HTTP / offline ({WORKLOADS[0].name}, default threads): {http:.1f} / "
+            f"{offline['offline_output_throughput']:.1f} tok/s = {http / offline['offline_output_throughput']:.2f}",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peer_serve")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes for the HF-folder servers")
+    parser.add_argument("--only", help="comma-separated label prefixes to run (e.g. 'pagoda,llama.cpp')")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    folder = hf_folder_from_gguf(args.out / "SmolLM2-135M-Instruct")
+    cores = len(os.sched_getaffinity(0))
+    found = servers(args.dtypes.split(","), folder, cores)
+    if args.only:
+        found = [s for s in found if s.label.startswith(tuple(args.only.split(",")))]
+    for server in found:
+        print(f"{server.label}: {' '.join(server.argv)}", flush=True)
+        try:
+            run_server(server, args.out)
+        except Exception as exc:  # a peer that fails to start is reported, not fatal
+            print(f"  {server.label} failed: {exc}", flush=True)
+    offline = offline_main_workload() if any(s.label.startswith("pagoda (GGUF") for s in found) else None
+    report = markdown(found, offline)
+    print(report)
+    (args.out / "peer_serve.md").write_text(report + "\n")
+    (args.out / "peer_serve.json").write_text(
+        json.dumps({"servers": {s.label: s.results for s in found}, "offline": offline}, indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

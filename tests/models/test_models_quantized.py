@@ -1,0 +1,97 @@
+"""Low-bit weights for few-row steps: GGUF Q4 blocks unpacked exactly, the Q8_0 LM head's int8 copy
+within its rounding, the row rule that picks them, and what they cost in accuracy on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagoda.server.engine.gguf_int4 import quantize_from_gguf
+from pagoda.server.engine.layers.linear import Linear
+from pagoda.server.engine.layers.quantized import FEW_ROWS, Int4Weight, Int8Weight
+from pagoda.server.engine.loader import load_model, resolve_model_source, resolve_quantization
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32():
+    """SmolLM2 dense (transformers' dequantized weights) with the GGUF's low-bit copies added in fp32,
+    where the int4 scales are exact."""
+    loaded = load_model(None, dtype="float32")
+    swapped = quantize_from_gguf(loaded.model, resolve_model_source(None).path, torch.float32)
+    return loaded, swapped
+
+
+def test_gguf_q4_blocks_are_the_dequantized_weights_bit_for_bit(smollm2_fp32):
+    # q/k rows un-permuted like transformers' reader, shards stacked in the fused layers' order.
+    loaded, swapped = smollm2_fp32
+    layers = [m for m in loaded.model.modules() if isinstance(m, Linear) and m.low_bit is not None]
+    assert swapped == len(layers) == 4 * loaded.model.cfg.num_layers
+    # Through the kernel (a slow path at this many rows): the first and last layers' four projections.
+    for layer in layers[:4] + layers[-4:]:
+        assert isinstance(layer.low_bit, Int4Weight) and layer.low_bit.group_size == 32
+        assert torch.equal(layer.low_bit.dequantize(), layer.weight)
+
+
+def test_q8_lm_head_int8_copy_is_within_half_a_step(smollm2_fp32):
+    loaded, _ = smollm2_fp32
+    head = loaded.model.lm_head
+    assert isinstance(head.low_bit, Int8Weight)
+    error = (head.low_bit.dequantize().float() - head.weight).abs()
+    assert bool((error <= head.low_bit.scales.float()[:, None] / 2 + 1e-7).all())
+
+
+def test_int4_matmul_matches_its_dense_weight():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (96, 128), generator=gen)
+    scales, zeros = torch.rand(96, 4, generator=gen) / 10, torch.randn(96, 4, generator=gen) / 10
+    weight = Int4Weight(q, scales, zeros, torch.float32)
+    dense = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    assert torch.allclose(weight.dequantize(), dense, atol=1e-6)
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.allclose(weight.matmul(x, None), x @ dense.t(), atol=1e-3, rtol=1e-3)
+
+
+def test_low_bit_copy_serves_only_few_row_steps():
+    layer = Linear(64, 32, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    # A stand-in low-bit copy that is deliberately twice the dense weight shows which path ran.
+    layer.quantize(Int8Weight(2 * layer.weight.detach(), torch.float32))
+    few, many = torch.randn(FEW_ROWS, 64), torch.randn(FEW_ROWS + 1, 64)
+    with torch.no_grad():
+        doubled = 2 * few @ layer.weight.t()
+        assert (layer(few) - doubled).norm() < 0.02 * doubled.norm()  # the int8 copy (within its rounding)
+        assert torch.allclose(layer(many), many @ layer.weight.t(), atol=1e-4)  # the dense weight
+    with pytest.raises(ValueError, match="low-bit weight is 32x32"):
+        layer.quantize(Int8Weight(torch.randn(32, 32), torch.float32))
+
+
+def test_quantization_choice():
+    gguf = resolve_model_source(None)
+    assert resolve_quantization("auto", gguf, torch.device("cpu")) == "gguf"
+    assert resolve_quantization("auto", gguf, torch.device("cuda")) == "none"
+    with pytest.raises(ValueError, match="CPU kernel"):
+        resolve_quantization("gguf", gguf, torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        resolve_quantization("int3", gguf, torch.device("cpu"))
+
+
+def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
+    """bf16 serving: decode steps of one sequence run on the 4-bit blocks and int8 head. Against the
+    same model on its dense (dequantized) weights: most greedy tokens agree, logits stay close.
+    Measured on 100 prompts: docs/benchmarks.md (benchmarks/quantization_accuracy.py)."""
+    from pagoda import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):", "The three primary colours are"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    dense = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=32 << 20)
+    low_bit = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory=32 << 20)
+    agree = total = 0
+    for prompt in prompts:  # one at a time: decode steps of one row take the low-bit path
+        (a,) = dense.generate([prompt], params)
+        (b,) = low_bit.generate([prompt], params)
+        first = a.outputs[0].token_ids
+        assert b.outputs[0].token_ids[0] == first[0]  # the first token comes from the dense prefill
+        prefix = next(
+            (i for i, (x, y) in enumerate(zip(first, b.outputs[0].token_ids, strict=True)) if x != y), 16
+        )
+        agree, total = agree + prefix, total + 16
+    assert agree / total >= 0.5, f"greedy tokens agree only {agree}/{total} before diverging"
