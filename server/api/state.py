@@ -28,6 +28,7 @@ class ServerConfig:
     max_queue_len: int | None = None  # None = unbounded waiting queue
     max_request_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
+    kv_usage_target: float = 0.7  # the autoscaler's targetKVCacheUsage, drawn on the /kv page
 
 
 class ServerState:
