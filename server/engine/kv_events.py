@@ -63,7 +63,7 @@ class KVEventLog:
         self._ring: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self.next_seq = 0  # the id the next event gets (ids count up from 0)
-        self.step = 0  # the engine step the events belong to (set by the engine)
+        self.step = 0  # the engine step the events belong to (1 = the first; set by the engine)
         self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.dropped = 0  # events readers missed because the ring overwrote them first
 

@@ -208,7 +208,7 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.kv_events.step = self.num_steps
+        self.kv_events.step = self.num_steps + 1  # events of this step; snapshots show completed steps
         out = self.scheduler.schedule()
         for request in out.unservable:
             logger.error("request %s: the whole KV cache pool cannot hold it; aborted", request.request_id)

@@ -17,8 +17,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from chart_support import REPO, load_dashboards, panels, queries, substitute
+from support.pagoda_serve import pagoda_serve
 from support.prometheus import PrometheusServer, free_port, prometheus_binary
 from support.tiny_models import tiny_model_dir
 
@@ -64,39 +63,13 @@ class LabelledPrometheus(PrometheusServer):
             return json.load(r)["data"]["result"]
 
 
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"pagoda serve exited {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"pagoda serve not ready after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def serving_pod(tmp_path_factory):
     model = tiny_model_dir("llama", tmp_path_factory)
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    argv = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", MODEL, "--enable-prefix-caching", *SERVE_FLAGS]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process, log)
+    flags = ["--served-model-name", MODEL, "--enable-prefix-caching", *SERVE_FLAGS]
+    with pagoda_serve(model, flags, log) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
