@@ -194,6 +194,15 @@ def test_the_load_moved_what_the_panels_show(loaded_prometheus):
     assert value(f"sum(increase(pagoda_prefix_cache_hits_total{{{sel}}}[1m]))") > 0
     p99 = f"histogram_quantile(0.99, sum by (le) (rate(pagoda_time_to_first_token_seconds_bucket{{{sel}}}[30s])))"
     assert 0 < value(p99) < 60
+    # the roofline row: steps moved bytes at a measurable fraction of the probed peak, on one side
+    # of the ridge or the other
+    bandwidth = value(
+        f"sum(rate(pagoda_step_bytes_total{{{sel}}}[{RATE_INTERVAL}])) / "
+        f"sum(rate(pagoda_step_forward_seconds_total{{{sel}}}[{RATE_INTERVAL}])) / "
+        f"max(pagoda_step_peak_bytes_per_second{{{sel}}})"
+    )
+    assert 0.001 < bandwidth < 50, bandwidth
+    assert value(f"sum(increase(pagoda_step_bound_total{{{sel}}}[1m]))") >= loaded_prometheus.requests_sent
 
 
 def test_plot_serving_panels(loaded_prometheus, tmp_path):

@@ -19,21 +19,13 @@ from pathlib import Path
 
 import pytest
 from support.chromium import Chromium, chromium_binary
-from support.pagoda_serve import pagoda_serve
+from support.pagoda_serve import metric_value, pagoda_serve
 from support.tiny_models import tiny_model_dir
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--enable-prefix-caching", "--num-blocks", "96", "--block-size", "16",
          "--max-num-seqs", "8", "--max-model-len", "512"]  # fmt: skip
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 3  # > 2 blocks
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
 
 
 def complete(url: str, prompt: str, **params) -> dict:
@@ -87,14 +79,14 @@ def test_used_blocks_on_the_page_equal_the_metric_while_requests_run(pod, page):
     done = in_background(*[(pod, f"{i} {PROMPT}", {"max_tokens": 200, "ignore_eos": True}) for i in range(3)])
     agreed = []
     while not done.is_set():
-        before = metric(pod, "pagoda_kv_cache_blocks_used")
+        before = metric_value(pod, "pagoda_kv_cache_blocks_used")
         shown = page.evaluate(USED)
-        after = metric(pod, "pagoda_kv_cache_blocks_used")
+        after = metric_value(pod, "pagoda_kv_cache_blocks_used")
         if before == after and not done.is_set():  # no block changed hands around the page's read
             assert shown == before, (shown, before)
             agreed.append(shown)
     assert len([n for n in agreed if n > 0]) >= 3, agreed
-    assert page.evaluate(USED) == metric(pod, "pagoda_kv_cache_blocks_used") == 0
+    assert page.evaluate(USED) == metric_value(pod, "pagoda_kv_cache_blocks_used") == 0
 
 
 def test_parallel_samples_share_blocks_then_copy_on_write(pod, page, tmp_path):

@@ -10,6 +10,7 @@ import urllib.request
 import jsonschema
 import pytest
 from pagoda.server.api.state import ServerConfig
+from support.pagoda_serve import metric_value
 
 INT = {"type": "integer", "minimum": 0}
 NUM = {"type": "number", "minimum": 0}
@@ -75,14 +76,6 @@ def get_json(url: str, path: str, headers: dict | None = None):
         return json.load(response)
 
 
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def complete(url: str, model: str, prompt: str, **params) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, **params}).encode()
     request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -113,8 +106,8 @@ def test_idle_state_matches_schema_and_metrics(server):
     jsonschema.validate(state, STATE_SCHEMA)
     assert state["num_blocks"] == 64 and state["block_size"] == 16
     assert len(state["blocks"]["state"]) == 64
-    assert state["headline"]["blocks_used"] == metric(server.url, "pagoda_kv_cache_blocks_used") == 0
-    assert state["headline"]["capacity_tokens"] == metric(server.url, "pagoda_kv_cache_capacity_tokens")
+    assert state["headline"]["blocks_used"] == metric_value(server.url, "pagoda_kv_cache_blocks_used") == 0
+    assert state["headline"]["capacity_tokens"] == metric_value(server.url, "pagoda_kv_cache_capacity_tokens")
     check_consistent(state)
 
 
@@ -224,8 +217,8 @@ def test_kv_views_need_the_api_key(keyed_server, http_request):
 def test_metrics_export_the_step_roofline(server):
     model = server.state.model_name
     complete(server.url, model, "roofline " * 20, max_tokens=8)
-    assert metric(server.url, "pagoda_step_bytes_total") > 0
-    assert metric(server.url, "pagoda_step_flops_total") > 0
-    assert metric(server.url, "pagoda_step_forward_seconds_total") > 0
-    assert metric(server.url, "pagoda_step_peak_bytes_per_second") > 0
-    assert metric(server.url, "pagoda_step_bandwidth_utilization_count") >= 8
+    assert metric_value(server.url, "pagoda_step_bytes_total") > 0
+    assert metric_value(server.url, "pagoda_step_flops_total") > 0
+    assert metric_value(server.url, "pagoda_step_forward_seconds_total") > 0
+    assert metric_value(server.url, "pagoda_step_peak_bytes_per_second") > 0
+    assert metric_value(server.url, "pagoda_step_bandwidth_utilization_count") >= 8

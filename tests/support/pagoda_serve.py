@@ -49,3 +49,12 @@ def pagoda_serve(model: Path, flags: list[str], log: Path) -> Iterator[str]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def metric_value(url: str, name: str) -> float:
+    """The first sample of `name` (with labels) in a server's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
