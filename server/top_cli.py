@@ -105,7 +105,8 @@ def render_frame(state: dict[str, Any], width: int = 100):
     log = Table("step", "event", "what just happened", "the paper calls it", box=None)
     for event in reversed(state["recent_events"][-10:]):
         who = f" {event['req']}" if event.get("req") else ""
-        log.add_row(str(event["step"]), event["kind"] + who, event["what"], event["term"])
+        meaning = state["kinds"][event["kind"]]
+        log.add_row(str(event["step"]), event["kind"] + who, meaning["what"], meaning["term"])
     return Group(head, grid, Text(""), requests, Text(""), log)
 
 

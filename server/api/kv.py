@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 from aiohttp import web
+from pagoda.server.api.kv_snapshot_cache import SharedSnapshot
 from pagoda.server.api.state import ServerState
-from pagoda.server.engine.kv_events import describe
+from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.kv_state import kv_snapshot
 from pagoda.server.protocol import APIError
 
@@ -51,12 +55,20 @@ def _start_cursor(request: web.Request, next_seq: int) -> int:
     return next_seq
 
 
+def _timed_snapshot(engine, target: float) -> tuple[dict, float]:
+    started = time.perf_counter()
+    return kv_snapshot(engine, target), time.perf_counter() - started
+
+
 def state_handler(state_key):
     async def kv_state(request: web.Request) -> web.Response:
         state: ServerState = request.app[state_key]
-        target = state.config.kv_usage_target
-        snapshot = await _engine(state).inspect(lambda engine: kv_snapshot(engine, target))
-        return web.json_response(snapshot, headers={"Cache-Control": "no-cache"})
+        engine = _engine(state)
+        if state.kv_snapshots is None:
+            target = state.config.kv_usage_target
+            state.kv_snapshots = SharedSnapshot(lambda: engine.inspect(lambda e: _timed_snapshot(e, target)))
+        body = await state.kv_snapshots.get()
+        return web.Response(body=body, content_type="application/json", headers={"Cache-Control": "no-cache"})
 
     return kv_state
 
@@ -66,9 +78,36 @@ def _frame(event: str, data: dict, event_id: int | None = None) -> bytes:
     return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
+class _EncodedFrames:
+    """Each event is encoded once, however many streams send it (a GIL-light loop for many viewers)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._frames: OrderedDict[int, bytes] = OrderedDict()
+
+    def encode(self, event: dict) -> bytes:
+        frame = self._frames.get(event["id"])
+        if frame is None:
+            frame = self._frames[event["id"]] = _frame("kv", event, event["id"])
+            if len(self._frames) > self.capacity:
+                self._frames.popitem(last=False)
+        return frame
+
+
+_FRAMES: weakref.WeakKeyDictionary[KVEventLog, _EncodedFrames] = weakref.WeakKeyDictionary()
+
+
+def _frames_of(log: KVEventLog) -> _EncodedFrames:
+    """Streams run on the server's event loop thread: no lock needed."""
+    if log not in _FRAMES:
+        _FRAMES[log] = _EncodedFrames(log.capacity)
+    return _FRAMES[log]
+
+
 def events_handler(state_key):
     async def kv_events(request: web.Request) -> web.StreamResponse:
         log = _engine(request.app[state_key]).kv_events
+        frames = _frames_of(log)
         cursor = _start_cursor(request, log.next_seq)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -81,7 +120,7 @@ def events_handler(state_key):
             if dropped:
                 await response.write(_frame("dropped", {"dropped": dropped, "total": log.dropped}))
             if events:
-                chunk = b"".join(_frame("kv", {**e, **describe(e["kind"])}, e["id"]) for e in events)
+                chunk = b"".join(frames.encode(e) for e in events)
                 await response.write(chunk)  # waits while the client is slow: only this stream waits
                 cursor = events[-1]["id"] + 1
                 quiet = 0.0

@@ -75,7 +75,7 @@ def kv_snapshot(engine: LLMEngine, usage_target: float) -> dict[str, Any]:
     mean_len = sum(lengths) / len(lengths) if lengths else None
     blocks_per_seq = -(-int(mean_len) // size) if mean_len else None
     log = engine.kv_events
-    events = [{**e, **describe(e["kind"])} for e in log.recent(RECENT_EVENTS)]
+    events = log.recent(RECENT_EVENTS)
     return {
         "time": time.time(),
         "step": engine.num_steps,
@@ -115,4 +115,6 @@ def kv_snapshot(engine: LLMEngine, usage_target: float) -> dict[str, Any]:
             "last_step": engine.roofline.last.as_dict() if engine.roofline.last else None,
         },
         "recent_events": events,
+        # what each event kind means, once here rather than in every event
+        "kinds": {kind: describe(kind) for kind in KINDS},
     }

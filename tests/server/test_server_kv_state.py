@@ -3,12 +3,14 @@ numbers against the block manager's own counts and /metrics, the event stream, t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.request
 
 import jsonschema
 import pytest
+from pagoda.server.api.kv_snapshot_cache import COST_FACTOR, SharedSnapshot
 from pagoda.server.api.state import ServerConfig
 from support.pagoda_serve import metric_value
 
@@ -23,16 +25,16 @@ SEQ = {
 }  # fmt: skip
 EVENT = {
     "type": "object",
-    "required": ["id", "step", "time", "kind", "what", "term"],
+    "required": ["id", "step", "time", "kind"],
     "properties": {
         "kind": {"enum": ["alloc", "cache", "prefix_hit", "fork", "cow", "free", "evict", "preempt", "reset"]},
-        "id": INT, "step": INT, "what": {"type": "string", "minLength": 10},
+        "id": INT, "step": INT,
     },
 }  # fmt: skip
 STATE_SCHEMA = {
     "type": "object",
     "required": ["time", "step", "model", "block_size", "num_blocks", "blocks", "requests", "counters",
-                 "headline", "roofline", "recent_events"],
+                 "headline", "roofline", "recent_events", "kinds"],
     "properties": {
         "step": INT, "block_size": {"type": "integer", "minimum": 1}, "num_blocks": {"type": "integer", "minimum": 1},
         "blocks": {
@@ -66,6 +68,9 @@ STATE_SCHEMA = {
                      "properties": {"peak_bytes_per_s": {"type": "number", "exclusiveMinimum": 0},
                                     "peak_flops_per_s": {"type": "number", "exclusiveMinimum": 0}}},
         "recent_events": {"type": "array", "items": EVENT},
+        "kinds": {"type": "object", "required": ["alloc", "cow", "fork", "free", "prefix_hit", "evict", "preempt"],
+                  "additionalProperties": {"type": "object", "required": ["what", "term"],
+                                           "properties": {"what": {"type": "string", "minLength": 10}}}},
     },
 }  # fmt: skip
 
@@ -166,7 +171,7 @@ def test_event_stream_replays_and_follows(server):
     complete(server.url, model, prompt, max_tokens=4)  # the same prompt again: a prefix hit
     events = read_events(server.url, start, 6)
     assert [e["id"] for e in events] == list(range(start, start + 6))
-    assert events[0]["kind"] == "alloc" and events[0]["what"] and events[0]["term"]
+    assert events[0]["kind"] == "alloc" and events[0]["req"] and events[0]["blocks"]
     state = get_json(server.url, "/kv/state")
     hits = [e for e in state["recent_events"] if e["kind"] == "prefix_hit" and e["id"] >= start]
     assert hits and hits[0]["tokens"] >= 16
@@ -222,3 +227,21 @@ def test_metrics_export_the_step_roofline(server):
     assert metric_value(server.url, "pagoda_step_forward_seconds_total") > 0
     assert metric_value(server.url, "pagoda_step_peak_bytes_per_second") > 0
     assert metric_value(server.url, "pagoda_step_bandwidth_utilization_count") >= 8
+
+
+async def test_viewers_share_one_snapshot_rebuilt_as_often_as_it_is_cheap():
+    builds = 0
+
+    async def build():
+        nonlocal builds
+        builds += 1
+        await asyncio.sleep(0.01)
+        return {"n": builds}, 0.005  # 5 ms on the step thread: rebuilt at most every 100 ms
+
+    shared = SharedSnapshot(build)
+    bodies = await asyncio.gather(*[shared.get() for _ in range(10)])
+    assert builds == 1 and set(bodies) == {b'{"n": 1}'}
+    assert shared.min_interval >= COST_FACTOR * 0.005
+    assert await shared.get() == b'{"n": 1}'
+    await asyncio.sleep(shared.min_interval + 0.01)
+    assert await shared.get() == b'{"n": 2}'

@@ -52,9 +52,10 @@ def pagoda_serve(model: Path, flags: list[str], log: Path) -> Iterator[str]:
 
 
 def metric_value(url: str, name: str) -> float:
-    """The first sample of `name` (with labels) in a server's /metrics."""
+    """A metric from a server's /metrics, summed over its label sets (`name{...} value` lines)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
+        values = [float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                  if line.startswith(name + "{")]  # fmt: skip
+    if not values:
+        raise AssertionError(f"{name} not exported")
+    return sum(values)

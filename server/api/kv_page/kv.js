@@ -209,8 +209,9 @@ function renderLog(state) {
       '<span class="what"></span><span class="term"></span>';
     li.querySelector(".kind").textContent = e.kind.replace("_", " ");
     li.querySelector(".detail").textContent = describeEvent(e);
-    li.querySelector(".what").textContent = e.what;
-    li.querySelector(".term").textContent = "paper: " + e.term;
+    const meaning = state.kinds[e.kind];
+    li.querySelector(".what").textContent = meaning.what;
+    li.querySelector(".term").textContent = "paper: " + meaning.term;
     items.push(li);
   }
   log.replaceChildren(...items);
