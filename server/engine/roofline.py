@@ -43,9 +43,8 @@ class ModelCosts:
         embed = model.model.embed_tokens.weight
         head = model.lm_head.weight
         # parameters() already lists a tied weight once; persistent buffers hold quantized weights.
-        everything = list(model.parameters()) + [
-            b for name, b in model.named_buffers() if name in model.state_dict()
-        ]
+        persistent = model.state_dict().keys()
+        everything = list(model.parameters()) + [b for name, b in model.named_buffers() if name in persistent]
         total = tensor_bytes(everything)
         tied = head is embed
         embed_table = tensor_bytes([embed])
@@ -103,26 +102,30 @@ class StepCost:
 
 
 def step_cost(
-    costs: ModelCosts, shape: list[tuple[int, int]], num_sampled: int, num_copied_blocks: int = 0,
+    costs: ModelCosts,
+    shape: list[tuple[int, int]],
+    num_sampled: int,
+    num_copied_blocks: int = 0,
     block_size: int = 16,
-) -> StepCost:  # fmt: skip
+) -> StepCost:
     """`shape`: (tokens already in the cache, tokens run this step) per scheduled sequence."""
-    num_layers = max(1, len(costs.sliding_windows))
     tokens = sum(n for _, n in shape)
     kv_positions = pairs = 0
     for start, num_new in shape:
         read, p = costs.attended(start, num_new)
         kv_positions += read
         pairs += p
-    per_layer_kv = costs.kv_bytes_per_token // num_layers
-    copy_bytes = 2 * num_copied_blocks * block_size * costs.kv_bytes_per_token
+    per_layer_kv = costs.kv_bytes_per_token // max(1, len(costs.sliding_windows))
+    copied = num_copied_blocks * block_size * costs.kv_bytes_per_token  # read once, written once
+    head = costs.head_bytes if num_sampled else 0
     return StepCost(
-        weight_bytes=costs.body_bytes + tokens * costs.embed_row_bytes + (costs.head_bytes if num_sampled else 0),
-        kv_read_bytes=kv_positions * per_layer_kv + copy_bytes // 2,
-        kv_write_bytes=tokens * costs.kv_bytes_per_token + copy_bytes // 2,
-        flops=tokens * costs.body_flops_per_token + num_sampled * costs.head_flops_per_row
+        weight_bytes=costs.body_bytes + tokens * costs.embed_row_bytes + head,
+        kv_read_bytes=kv_positions * per_layer_kv + copied,
+        kv_write_bytes=tokens * costs.kv_bytes_per_token + copied,
+        flops=tokens * costs.body_flops_per_token
+        + num_sampled * costs.head_flops_per_row
         + pairs * costs.attn_flops_per_context,
-    )  # fmt: skip
+    )
 
 
 def shape_of(out: SchedulerOutput) -> list[tuple[int, int]]:
