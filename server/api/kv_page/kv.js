@@ -162,13 +162,19 @@ function renderRequests(state) {
       row.dataset.request = r.id;
       const table = s.block_table.map((p, l) => `${l}→${p}`).join(" ");
       const cells = [
-        `<span class="swatch" style="background:${colour(r.id)}"></span>${r.id}${r.seqs.length > 1 ? " #" + s.index : ""}`,
+        `${r.id}${r.seqs.length > 1 ? " #" + s.index : ""}`,
         r.status, s.prompt_tokens, s.output_tokens, `${s.tokens_in_cache} (${s.empty_slots} empty slots)`,
         r.prefix_hit_tokens ? `${r.prefix_hit_tokens} tokens` : "–", table,
       ];
-      for (const [j, html] of cells.entries()) {
+      for (const [j, text] of cells.entries()) {
         const td = document.createElement("td");
-        if (j === 0) td.innerHTML = html; else td.textContent = html;
+        td.textContent = text;  // ids come from clients' requests: never parsed as HTML
+        if (j === 0) {
+          const swatch = document.createElement("span");
+          swatch.className = "swatch";
+          swatch.style.background = colour(r.id);
+          td.prepend(swatch);
+        }
         if (j === 6) td.className = "table";
         row.appendChild(td);
       }
@@ -204,7 +210,7 @@ function renderLog(state) {
     const e = kv.events[i];
     const li = document.createElement("li");
     li.dataset.kind = e.kind;
-    if (e.id >= upto) li.className = "later";
+    if (kv.view !== null && e.id >= upto) li.className = "later"; // after the snapshot on show
     li.innerHTML = `<span class="sub">step ${e.step}</span> <span class="kind ${e.kind}"></span><span class="detail"></span>` +
       '<span class="what"></span><span class="term"></span>';
     li.querySelector(".kind").textContent = e.kind.replace("_", " ");
