@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "pagoda.server.engine.generate_cli",
     "plan": "pagoda.server.engine.plan_cli",
     "bench": "pagoda.server.bench_cli",
+    "top": "pagoda.server.top_cli",
     "operator": "pagoda.operator.cli",
 }
 

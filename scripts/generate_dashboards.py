@@ -358,6 +358,112 @@ def dcgm(metric: str) -> str:
     return f"avg by (pod) ({exported} or {direct})"
 
 
+ROOFLINE_TEXT = """\
+### Memory-bound or compute-bound? Why "GPU utilisation" and the roofline can both be true
+
+For every engine step pagoda counts the bytes it **had to move** (every weight once, each sequence's
+K/V once, the new K/V written) and the FLOPs it **had to do**, from the model and the step's shape,
+and divides by the step's time (formulas: docs/metrics.md).
+
+- **Bandwidth utilisation** = achieved bytes/s ÷ the device's peak bandwidth; **compute
+  utilisation** = achieved FLOP/s ÷ peak FLOP/s (datasheet peaks for H200/H100/A100/L4, a start-up
+  probe elsewhere).
+- A step whose FLOPs per byte (**arithmetic intensity**) are below the device's **ridge** (peak
+  FLOP/s ÷ peak bytes/s) is **memory-bound**: no kernel could run it faster than bytes ÷ bandwidth.
+  Decode steps at small batch sit far left of the ridge (about 1 FLOP/byte against a ridge of
+  ~200 on an H100): the GPU waits on memory.
+
+DCGM's GPU utilisation says only that *a kernel was running*. A decode loop at batch 1 keeps a
+kernel running almost all the time (90 % "utilised") while it uses a few % of the compute and,
+with a small model, well below the peak bandwidth: both readings are true. Batching more sequences
+per step raises the intensity (the weights are read once for all of them) and moves the steps
+toward the ridge; the KV-cache usage says how many more sequences fit.
+"""
+
+
+def roofline_panels(grid: Layout) -> None:
+    def per_pod_rate(counter: str) -> str:
+        return f"sum by (pod) (rate({counter}{{{SERVING}}}[$__rate_interval]))"
+
+    seconds = per_pod_rate("pagoda_step_forward_seconds_total")
+    grid.row("memory-bound or compute-bound?")
+    grid.add(
+        {
+            "type": "text",
+            "title": "Reading the roofline",
+            "options": {"mode": "markdown", "content": ROOFLINE_TEXT},
+        },
+        width=10,
+        height=16,
+    )
+    grid.add(
+        timeseries(
+            "Bandwidth and compute utilisation vs GPU utilisation",
+            "Achieved bytes/s and FLOP/s of the engine steps as fractions of the device's peaks "
+            "(pagoda_step_bytes_total, pagoda_step_flops_total over pagoda_step_forward_seconds_total, "
+            "divided by pagoda_step_peak_*), beside DCGM_FI_DEV_GPU_UTIL / 100. GPU lines are missing "
+            "without the DCGM exporter.",
+            [
+                target(
+                    f"{per_pod_rate('pagoda_step_bytes_total')} / {seconds} / max by (pod) "
+                    f"(pagoda_step_peak_bytes_per_second{{{SERVING}}})",
+                    "{{pod}} bandwidth",
+                    "A",
+                ),
+                target(
+                    f"{per_pod_rate('pagoda_step_flops_total')} / {seconds} / max by (pod) "
+                    f"(pagoda_step_peak_flops_per_second{{{SERVING}}})",
+                    "{{pod}} compute",
+                    "B",
+                ),
+                target(f"{dcgm('DCGM_FI_DEV_GPU_UTIL')} / 100", "{{pod}} GPU util", "C"),
+            ],
+            "percentunit",
+        ),
+        width=14,
+    )
+    grid.add(
+        timeseries(
+            "Steps that are memory-bound",
+            "Share of engine steps whose arithmetic intensity is below the device's ridge point "
+            '(pagoda_step_bound_total{bound="memory"} / all steps).',
+            [
+                target(
+                    f'sum by (pod) (rate(pagoda_step_bound_total{{bound="memory", {SERVING}}}[$__rate_interval]))'
+                    f" / {per_pod_rate('pagoda_step_bound_total')}",
+                    "{{pod}}",
+                    "A",
+                )
+            ],
+            "percentunit",
+            max_value=1,
+        ),
+        width=7,
+    )
+    grid.add(
+        timeseries(
+            "Arithmetic intensity vs the ridge (FLOP/byte)",
+            "Median FLOPs per byte of the steps (pagoda_step_arithmetic_intensity) and the device's "
+            "ridge point, peak FLOP/s / peak bytes/s: below the ridge a step is memory-bound.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (pod, le) "
+                    f"(rate(pagoda_step_arithmetic_intensity_bucket{{{SERVING}}}[$__rate_interval])))",
+                    "{{pod}} median step",
+                    "A",
+                ),
+                target(
+                    f"max by (pod) (pagoda_step_peak_flops_per_second{{{SERVING}}}) / max by (pod) "
+                    f"(pagoda_step_peak_bytes_per_second{{{SERVING}}})",
+                    "{{pod}} ridge",
+                    "B",
+                ),
+            ],
+        ),
+        width=7,
+    )
+
+
 def memory_vs_compute_panels() -> list[dict[str, Any]]:
     grid = Layout()
     grid.add(
@@ -420,6 +526,7 @@ def memory_vs_compute_panels() -> list[dict[str, Any]]:
         ),
         width=12,
     )
+    roofline_panels(grid)
     return grid.panels
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pagoda needs in .venv at the repo root.
 #   scripts/setup.sh          serving: the package, torch (CPU build pinned), the default model
-#   scripts/setup.sh --dev    also the test tools: pytest & co, triton, Debian's prometheus and
-#                             shellcheck, and a helm binary (scripts/get-helm.sh)
+#   scripts/setup.sh --dev    also the test tools: pytest & co, triton, Debian's prometheus,
+#                             chromium and shellcheck, and a helm binary (scripts/get-helm.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The repo root holds a folder named `operator` (a stdlib name): never let `python -m` put the
@@ -29,6 +29,8 @@ if [ "$dev" = 1 ]; then
   packages=()
   { command -v prometheus && command -v promtool; } >/dev/null || packages+=(prometheus)
   command -v shellcheck >/dev/null || packages+=(shellcheck)
+  # the /kv page tests drive a real headless browser
+  command -v chromium >/dev/null || packages+=(chromium)
   if [ "${#packages[@]}" -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"

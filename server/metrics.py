@@ -21,6 +21,10 @@ LATENCY_BUCKETS = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
 )  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Fractions of a device peak. Above 1 happens: a model that fits in a CPU's caches beats DRAM bandwidth.
+UTILIZATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
+                       0.9, 1.0, 1.5, 2.0, 4.0)  # fmt: skip
+INTENSITY_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -28,7 +32,7 @@ class StatsReader:
     """The one caller of `engine.stats()`: each call drains `step_token_counts`, so every reader
     (scrapes, /health, the queue limit) goes through here and the step histogram loses nothing."""
 
-    def __init__(self, stats: Callable[[], EngineStats], on_steps: Callable[[list[int]], None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], on_steps: Callable[[EngineStats], None]) -> None:
         self._stats = stats
         self._on_steps = on_steps
         self._lock = threading.Lock()
@@ -36,7 +40,7 @@ class StatsReader:
     def read(self) -> EngineStats:
         with self._lock:
             stats = self._stats()
-            self._on_steps(stats.step_token_counts)
+            self._on_steps(stats)
         return stats
 
 
@@ -86,6 +90,7 @@ class _EngineCollector(Collector):
         yield counter(
             "pagoda_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
+        yield from _roofline_families(stats, label)
         info = GaugeMetricFamily(
             "pagoda_engine_info",
             "Engine configuration (value is always 1).",
@@ -97,6 +102,36 @@ class _EngineCollector(Collector):
             1,
         )  # fmt: skip
         yield info
+
+
+def _roofline_families(stats: EngineStats, label: list[str]) -> Iterable[Metric]:
+    """The steps' roofline (server/engine/roofline.py; formulas in docs/metrics.md)."""
+    for name, doc, value in (
+        ("pagoda_step_bytes", "Bytes the steps had to move: weights + KV read + KV written.",
+         stats.step_bytes_total),
+        ("pagoda_step_flops", "Floating-point operations the steps did.", stats.step_flops_total),
+        ("pagoda_step_forward_seconds", "Time in the steps' model forwards.", stats.step_seconds_total),
+    ):  # fmt: skip
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(label, value)
+        yield family
+    bound = CounterMetricFamily(
+        "pagoda_step_bound",
+        "Steps by the roof they sit under (memory or compute).",
+        labels=["model_name", "bound"],
+    )
+    for side in ("memory", "compute"):
+        bound.add_metric([*label, side], stats.step_bound_counts.get(side, 0))
+    yield bound
+    for name, doc, value in (
+        ("pagoda_step_peak_bytes_per_second", "The device's peak memory bandwidth.", stats.peak_bytes_per_s),
+        ("pagoda_step_peak_flops_per_second", "The device's peak FLOP/s in the model's dtype.",
+         stats.peak_flops_per_s),
+    ):  # fmt: skip
+        family = GaugeMetricFamily(name, doc + " Label source: a datasheet URL or probe.",
+                                   labels=["model_name", "source"])  # fmt: skip
+        family.add_metric([*label, stats.peak_source], value)
+        yield family
 
 
 class ServerMetrics:
@@ -130,6 +165,19 @@ class ServerMetrics:
             "Tokens (prefill + decode) run in one engine step.",
             ITERATION_TOKEN_BUCKETS,
         )
+        self.bandwidth_utilization = histogram(
+            "pagoda_step_bandwidth_utilization",
+            "Per step: bytes moved / step time / the device's peak bandwidth.",
+            UTILIZATION_BUCKETS,
+        )
+        self.compute_utilization = histogram(
+            "pagoda_step_compute_utilization",
+            "Per step: FLOPs / step time / the device's peak FLOP/s.",
+            UTILIZATION_BUCKETS,
+        )
+        self.intensity = histogram(
+            "pagoda_step_arithmetic_intensity", "Per step: FLOPs per byte moved.", INTENSITY_BUCKETS
+        )
         finished = Counter(
             "pagoda_requests_finished",
             "Finished requests by reason.",
@@ -145,9 +193,13 @@ class ServerMetrics:
     def read_stats(self) -> EngineStats | None:
         return self._stats_reader.read() if self._stats_reader else None
 
-    def _observe_steps(self, counts: list[int]) -> None:
-        for count in counts:
+    def _observe_steps(self, stats: EngineStats) -> None:
+        for count in stats.step_token_counts:
             self.iteration_tokens.observe(count)
+        for step in stats.step_rooflines:
+            self.bandwidth_utilization.observe(step.bandwidth_utilization)
+            self.compute_utilization.observe(step.compute_utilization)
+            self.intensity.observe(step.intensity)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

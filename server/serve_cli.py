@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("max-request-body-bytes", type=parse_bytes, default=4 << 20, help="413 above this body size")
     add("drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("log-level", default="info", help="debug, info, warning, error")
+    add("kv-usage-target", type=float, default=0.7,
+        help="the autoscaler's KV-cache usage target, shown on the /kv page (default 0.7)")  # fmt: skip
     EngineArgs.add_cli_args(parser)
 
 
@@ -49,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         max_request_body_bytes=args.max_request_body_bytes,
         drain_timeout=args.drain_timeout,
+        kv_usage_target=args.kv_usage_target,
     )
     return asyncio.run(_serve(config, EngineArgs.from_cli_args(args), args.host, args.port))
 

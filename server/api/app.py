@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 from pagoda.server.api.chat import create_chat_completion
 from pagoda.server.api.completions import create_completion
+from pagoda.server.api.kv import add_routes as add_kv_routes
 from pagoda.server.api.state import ServerState
 from pagoda.server.protocol import APIError, bad_request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,15 +43,35 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(APIError(500, "Internal server error", type="internal_error"))
 
 
+KV_KEY_COOKIE = "pagoda_api_key"
+
+
+def _is_kv_view(path: str) -> bool:
+    return path == "/kv" or path.startswith("/kv/")
+
+
+def _given_key(request: web.Request) -> str:
+    """The bearer token; for the /kv views also the cookie or `?api_key=` (a browser opening the page
+    and its EventSource cannot send headers)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    if _is_kv_view(request.path):
+        return request.query.get("api_key") or request.cookies.get(KV_KEY_COOKIE, "")
+    return ""
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With --api-key, every /v1 call needs `Authorization: Bearer <key>`; probes and scrapes stay open."""
+    """With --api-key, every /v1 call and the /kv views need the key; probes and scrapes stay open."""
     api_key = request.app[STATE].config.api_key
-    if api_key and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    if api_key and (request.path.startswith("/v1") or _is_kv_view(request.path)):
+        if not hmac.compare_digest(_given_key(request).encode(), api_key.encode()):
             raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+        response = await handler(request)
+        if request.path == "/kv" and "api_key" in request.query:  # the page's own requests send it back
+            response.set_cookie(KV_KEY_COOKIE, api_key, path="/kv", httponly=True, samesite="Strict")
+        return response
     return await handler(request)
 
 
@@ -127,4 +148,5 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", get_model)  # ids may hold a slash: org/name
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_kv_routes(app, STATE)
     return app

@@ -13,6 +13,7 @@ from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import APIError
 
 if TYPE_CHECKING:
+    from pagoda.server.api.kv_snapshot_cache import SharedSnapshot
     from pagoda.server.engine.async_engine import AsyncLLMEngine
     from pagoda.server.engine.outputs import EngineStats
 
@@ -28,6 +29,7 @@ class ServerConfig:
     max_queue_len: int | None = None  # None = unbounded waiting queue
     max_request_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
+    kv_usage_target: float = 0.7  # the autoscaler's targetKVCacheUsage, drawn on the /kv page
 
 
 class ServerState:
@@ -40,6 +42,7 @@ class ServerState:
         self.draining = False
         self.load_error: BaseException | None = None
         self.in_flight = 0
+        self.kv_snapshots: SharedSnapshot | None = None  # /kv/state, shared by every viewer
         self._idle = asyncio.Event()
         self._idle.set()
 

@@ -14,7 +14,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.llm_engine import LLMEngine
@@ -55,6 +56,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = EngineStats(loop_alive=False)
         self._step_counts: list[int] = []
+        self._step_rooflines: list = []
+        # Readers of engine state (the KV views): served between two steps on the step thread.
+        self._probes: list[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._parked = False  # the step thread waits idle inside the lock: engine state cannot change
+        self._thread_done = False
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
@@ -149,7 +155,35 @@ class AsyncLLMEngine:
         with self._lock:
             snapshot = self._stats
             counts, self._step_counts = self._step_counts, []
-        return EngineStats(**{**vars(snapshot), "step_token_counts": counts})
+            rooflines, self._step_rooflines = self._step_rooflines, []
+        return EngineStats(**{**vars(snapshot), "step_token_counts": counts, "step_rooflines": rooflines})
+
+    @property
+    def kv_events(self):
+        return self.engine.kv_events
+
+    async def inspect(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on a consistent engine: at once while the step loop is parked idle (it cannot
+        move while we hold the lock), else on the step thread right after its current step."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._thread is None or self._parked or self._thread_done or self._error is not None:
+                return fn(self.engine)
+            future = loop.create_future()
+            self._probes.append((fn, loop, future))
+            self._wake.notify()
+        return await future
+
+    def _run_probes(self) -> None:
+        """On the step thread, lock held, between two steps."""
+        probes, self._probes = self._probes, []
+        for fn, loop, future in probes:
+            try:
+                result: Any = fn(self.engine)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self, loop: asyncio.AbstractEventLoop, built: asyncio.Future[None]) -> None:
@@ -166,9 +200,12 @@ class AsyncLLMEngine:
             while True:
                 with self._lock:
                     was_idle = False
+                    self._run_probes()
                     while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
                         self._refresh_stats(alive=True)
+                        self._parked = True
                         self._wake.wait()
+                        self._parked = False
                         was_idle = True
                     if was_idle:
                         # Requests arrive in bursts (clients whose requests finished in one step
@@ -176,7 +213,9 @@ class AsyncLLMEngine:
                         # the first prefill instead of the rest waiting a full step.
                         deadline = time.monotonic() + IDLE_ADMISSION_WAIT_S
                         while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                            self._parked = True
                             self._wake.wait(left)
+                            self._parked = False
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
@@ -196,6 +235,7 @@ class AsyncLLMEngine:
                             if output.finished:
                                 del self._streams[output.request_id]
                     self._refresh_stats(alive=True)
+                    self._run_probes()
         except BaseException as exc:  # the loop is dead: fail every waiting consumer
             logger.exception("engine loop failed")
             with self._lock:
@@ -206,10 +246,22 @@ class AsyncLLMEngine:
         finally:
             with self._lock:
                 self._refresh_stats(alive=False)
+                self._run_probes()
+                self._thread_done = True
 
     def _refresh_stats(self, alive: bool) -> None:
         """Called with the lock held, from the step thread only."""
         stats = self.engine.stats()
         self._step_counts.extend(stats.step_token_counts)
+        self._step_rooflines.extend(stats.step_rooflines)
         stats.loop_alive = alive and self._error is None
         self._stats = stats
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

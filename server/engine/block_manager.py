@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
+from pagoda.server.engine.kv_events import KVEventLog
+
 if TYPE_CHECKING:
     from pagoda.server.engine.sequence import Sequence
 
@@ -37,7 +39,13 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +57,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self.num_shared_blocks = 0  # blocks with ref_count > 1, kept incrementally for cheap stats
         self.num_evictions = 0
+        self.events = events if events is not None else KVEventLog()  # what happened, for the live views
 
     # ---- pool accounting -------------------------------------------------------------------
     @property
@@ -72,6 +81,7 @@ class BlockManager:
             del self._hash_to_block[block.block_hash]
             block.block_hash, block.token_ids = None, ()
             self.num_evictions += 1
+            self.events.record("evict", block=block_id)
         else:
             raise NoFreeBlocksError("KV cache pool exhausted")
         self.blocks[block_id].ref_count = 1
@@ -135,6 +145,10 @@ class BlockManager:
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(block_ids) * self.block_size
         seq.num_registered_blocks = len(block_ids)
+        self.events.record(
+            "prefix_hit", req=seq.request_id, seq_id=seq.seq_id, blocks=list(block_ids),
+            tokens=seq.num_computed_tokens,
+        )  # fmt: skip
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make the sequence's newly completed full blocks findable by their hash."""
@@ -145,6 +159,7 @@ class BlockManager:
             return
         hashes = self._block_hashes(seq, num_full)
         size = self.block_size
+        registered = []
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             # Skip blocks already registered (shared via fork) and content already cached elsewhere.
@@ -152,7 +167,10 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
                 self._hash_to_block[hashes[i]] = block.block_id
+                registered.append(block.block_id)
         seq.num_registered_blocks = num_full
+        if registered:
+            self.events.record("cache", req=seq.request_id, seq_id=seq.seq_id, blocks=registered)
 
     # ---- per-sequence allocation -------------------------------------------------------------
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
@@ -185,9 +203,16 @@ class BlockManager:
             self._release(src)
             seq.block_table[index] = dst
             copies.append((src, dst))
+            self.events.record("cow", req=seq.request_id, seq_id=seq.seq_id, index=index, src=src, dst=dst)
         end = seq.num_computed_tokens + num_new_tokens
+        first_new = len(seq.block_table)
         while len(seq.block_table) * self.block_size < end:
             seq.block_table.append(self._take_block())
+        if len(seq.block_table) > first_new:
+            self.events.record(
+                "alloc", req=seq.request_id, seq_id=seq.seq_id, index=first_new,
+                blocks=seq.block_table[first_new:],
+            )  # fmt: skip
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -198,17 +223,28 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
+        self.events.record(
+            "fork", req=parent.request_id, seq_id=parent.seq_id, child_seq_id=child.seq_id,
+            blocks=list(parent.block_table),
+        )  # fmt: skip
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Tail blocks first, so LRU eviction takes them first."""
         for block_id in reversed(seq.block_table):
             self._release(block_id)
+        if seq.block_table:
+            self.events.record(
+                "free", req=seq.request_id, seq_id=seq.seq_id, blocks=list(seq.block_table),
+                cached=[b for b in seq.block_table if self.blocks[b].block_hash is not None],
+            )  # fmt: skip
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-but-free block (used by benchmarks to measure cold runs)."""
+        if self._cached_free:
+            self.events.record("reset", blocks=list(self._cached_free))
         for block_id in list(self._cached_free):
             block = self.blocks[block_id]
             del self._hash_to_block[block.block_hash]

@@ -16,9 +16,12 @@ from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
+from pagoda.server.engine.device_peaks import device_peaks
+from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.plan_cli import capacity_report
+from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
@@ -89,7 +92,15 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("kv_cache_memory: the KV cache budget holds no block; give it more memory")
         self.runner.allocate(num_blocks)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_events = KVEventLog()
+        self.block_manager = BlockManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, events=self.kv_events
+        )
+        self.roofline = RooflineMeter(
+            ModelCosts.from_model(model, self.spec.bytes_per_token),
+            device_peaks(loaded.device, self.dtype),
+            args.block_size,
+        )
         self.scheduler = Scheduler(
             self.block_manager, args.max_num_seqs, batch_tokens, args.enable_chunked_prefill
         )
@@ -208,6 +219,7 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.kv_events.step = self.num_steps + 1  # events of this step; snapshots show completed steps
         out = self.scheduler.schedule()
         for request in out.unservable:
             logger.error("request %s: the whole KV cache pool cannot hold it; aborted", request.request_id)
@@ -218,7 +230,9 @@ class LLMEngine:
         for item in out.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
+        shape, started = shape_of(out), time.perf_counter()
         logits, sampled = self.runner.execute(out)
+        self.roofline.observe(shape, len(sampled), len(out.block_copies), time.perf_counter() - started)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
@@ -366,4 +380,19 @@ class LLMEngine:
             step_token_counts=counts,
             last_step_time=self.last_step_time,
             loop_alive=True,
+            **self._roofline_stats(),
         )
+
+    def _roofline_stats(self) -> dict:
+        meter = self.roofline
+        return {
+            "step_rooflines": meter.take(),
+            "step_bytes_total": meter.bytes_total,
+            "step_flops_total": meter.flops_total,
+            "step_seconds_total": meter.seconds_total,
+            "step_bound_counts": dict(meter.bound_steps),
+            "peak_bytes_per_s": meter.peaks.bytes_per_s,
+            "peak_flops_per_s": meter.peaks.flops_per_s,
+            "peak_source": meter.peaks.source,
+            "last_step_roofline": meter.last.as_dict() if meter.last else None,
+        }

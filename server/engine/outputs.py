@@ -66,3 +66,13 @@ class EngineStats:
     step_token_counts: list[int] = field(default_factory=list)
     last_step_time: float | None = None
     loop_alive: bool = False
+    # Roofline (server/engine/roofline.py): the steps since the previous stats() call, running totals
+    step_rooflines: list = field(default_factory=list)
+    step_bytes_total: int = 0
+    step_flops_total: int = 0
+    step_seconds_total: float = 0.0
+    step_bound_counts: dict[str, int] = field(default_factory=dict)
+    peak_bytes_per_s: float = 0.0
+    peak_flops_per_s: float = 0.0
+    peak_source: str = ""
+    last_step_roofline: dict | None = None

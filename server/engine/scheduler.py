@@ -102,6 +102,7 @@ class Scheduler:
         return budget if self.enable_chunked_prefill else 0
 
     def _preempt(self, request: Request) -> None:
+        self.block_manager.events.record("preempt", req=request.request_id)
         for seq in request.live_seqs():
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING

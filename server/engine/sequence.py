@@ -29,6 +29,7 @@ class Sequence:
         self, index: int, token_ids: list[int], prompt_len: int, detokenizer: IncrementalDetokenizer
     ):
         self.seq_id = next(_seq_ids)
+        self.request_id = ""  # the owning request's id (set by Request; names the owner in KV views)
         self.index = index  # position in the request's outputs
         self.token_ids = token_ids
         self.prompt_len = prompt_len
@@ -67,6 +68,7 @@ class Sequence:
     def fork(self, index: int) -> Sequence:
         """A copy with the same tokens (blocks are shared separately by the block manager)."""
         child = Sequence(index, list(self.token_ids), self.prompt_len, self.detokenizer.copy())
+        child.request_id = self.request_id
         child.status = self.status
         child.output_logprobs = list(self.output_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
@@ -91,6 +93,7 @@ class Request:
         self.params = params
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.seqs: list[Sequence] = [first_seq]
+        first_seq.request_id = request_id
         self.forked = params.n == 1 and not params.use_beam_search  # n > 1 forks after the prompt
         self.num_cached_tokens = 0
         self.prefix_lookup_done = False

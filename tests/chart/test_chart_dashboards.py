@@ -130,8 +130,19 @@ def test_dcgm_panels_explain_an_absent_exporter():
     assert len(dcgm_only) == 2
     for panel in dcgm_only:
         assert "dcgm-exporter" in panel["fieldConfig"]["defaults"]["noValue"], panel["title"]
-    (text,) = [p for p in panels(board) if p["type"] == "text"]
+    (text,) = [p for p in panels(board) if p["type"] == "text" and p["title"] == "Reading these panels"]
     assert "90%" in text["options"]["content"] and "KV" in text["options"]["content"]
+
+
+def test_roofline_row_sits_beside_gpu_utilisation_and_explains_both():
+    every = list(panels(BOARDS["pagoda-memory-vs-compute.json"]))
+    row = [p["title"] for p in every].index("memory-bound or compute-bound?")
+    (text,) = [p for p in every[row:] if p["type"] == "text"]
+    assert "both readings are true" in text["options"]["content"]
+    exprs = [t["expr"] for p in every[row:] for t in p.get("targets", [])]
+    assert any("pagoda_step_bytes_total" in e for e in exprs)
+    assert any("DCGM_FI_DEV_GPU_UTIL" in e for e in exprs)  # on the same panel as the utilisations
+    assert any('bound="memory"' in e for e in exprs)
 
 
 @pytest.mark.parametrize("name", BOARDS)

@@ -17,8 +17,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from chart_support import REPO, load_dashboards, panels, queries, substitute
+from support.pagoda_serve import pagoda_serve
 from support.prometheus import PrometheusServer, free_port, prometheus_binary
 from support.tiny_models import tiny_model_dir
 
@@ -64,39 +63,13 @@ class LabelledPrometheus(PrometheusServer):
             return json.load(r)["data"]["result"]
 
 
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"pagoda serve exited {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"pagoda serve not ready after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def serving_pod(tmp_path_factory):
     model = tiny_model_dir("llama", tmp_path_factory)
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    argv = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", MODEL, "--enable-prefix-caching", *SERVE_FLAGS]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process, log)
+    flags = ["--served-model-name", MODEL, "--enable-prefix-caching", *SERVE_FLAGS]
+    with pagoda_serve(model, flags, log) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +194,15 @@ def test_the_load_moved_what_the_panels_show(loaded_prometheus):
     assert value(f"sum(increase(pagoda_prefix_cache_hits_total{{{sel}}}[1m]))") > 0
     p99 = f"histogram_quantile(0.99, sum by (le) (rate(pagoda_time_to_first_token_seconds_bucket{{{sel}}}[30s])))"
     assert 0 < value(p99) < 60
+    # the roofline row: steps moved bytes at a measurable fraction of the probed peak, on one side
+    # of the ridge or the other
+    bandwidth = value(
+        f"sum(rate(pagoda_step_bytes_total{{{sel}}}[{RATE_INTERVAL}])) / "
+        f"sum(rate(pagoda_step_forward_seconds_total{{{sel}}}[{RATE_INTERVAL}])) / "
+        f"max(pagoda_step_peak_bytes_per_second{{{sel}}})"
+    )
+    assert 0.001 < bandwidth < 50, bandwidth
+    assert value(f"sum(increase(pagoda_step_bound_total{{{sel}}}[1m]))") >= loaded_prometheus.requests_sent
 
 
 def test_plot_serving_panels(loaded_prometheus, tmp_path):
