@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagoda.server.engine.device_peaks import DevicePeaks
+from pagoda.server.engine.layers.quantized import FEW_ROWS
 from torch import nn
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ class ModelCosts:
 
     body_bytes: int  # every weight except the input embedding table and the LM head
     head_bytes: int  # the LM head (the embedding table when tied), read when any row is sampled
+    # The same with each low-bit copy read instead of its dense weight: steps of few rows
+    # (`layers/quantized.py`). Equal to the above for a model without low-bit copies.
+    few_rows_body_bytes: int
+    few_rows_head_bytes: int
     embed_row_bytes: int  # one row of the input embedding, per token
     kv_bytes_per_token: int  # K and V of one token over all layers
     body_flops_per_token: int  # 2 × the per-token matmul weights of all decoder layers
@@ -42,20 +47,35 @@ class ModelCosts:
         cfg = model.cfg
         embed = model.model.embed_tokens.weight
         head = model.lm_head.weight
-        # parameters() already lists a tied weight once; persistent buffers hold quantized weights.
+        # parameters() already lists a tied weight once; persistent buffers of the model's own
+        # (not a low-bit copy's) hold weights too.
+        low_bit = [m.low_bit for m in model.modules() if getattr(m, "low_bit", None) is not None]
+        copies = {id(b) for copy in low_bit for b in copy.buffers()}
         persistent = model.state_dict().keys()
-        everything = list(model.parameters()) + [b for name, b in model.named_buffers() if name in persistent]
-        total = tensor_bytes(everything)
+        buffers = [b for name, b in model.named_buffers() if name in persistent and id(b) not in copies]
+        total = tensor_bytes(list(model.parameters()) + buffers)
         tied = head is embed
         embed_table = tensor_bytes([embed])
         head_bytes = tensor_bytes([head])
         body = total - embed_table - (0 if tied else head_bytes)
+        few_rows_body, few_rows_head = body, head_bytes
+        for module in model.modules():
+            copy = getattr(module, "low_bit", None)
+            if copy is None:
+                continue
+            saved = tensor_bytes([module.weight]) - tensor_bytes(list(copy.buffers()))
+            if module is model.lm_head:
+                few_rows_head -= saved
+            else:
+                few_rows_body -= saved
         h, hd = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size  # qkv, o, gate+up+down
         return cls(
             body_bytes=body,
             head_bytes=head_bytes,
+            few_rows_body_bytes=few_rows_body,
+            few_rows_head_bytes=few_rows_head,
             embed_row_bytes=embed_table // cfg.vocab_size,
             kv_bytes_per_token=kv_bytes_per_token,
             body_flops_per_token=2 * per_layer * cfg.num_layers,
@@ -117,9 +137,10 @@ def step_cost(
         pairs += p
     per_layer_kv = costs.kv_bytes_per_token // max(1, len(costs.sliding_windows))
     copied = num_copied_blocks * block_size * costs.kv_bytes_per_token  # read once, written once
-    head = costs.head_bytes if num_sampled else 0
+    body = costs.few_rows_body_bytes if tokens <= FEW_ROWS else costs.body_bytes
+    head = (costs.few_rows_head_bytes if num_sampled <= FEW_ROWS else costs.head_bytes) if num_sampled else 0
     return StepCost(
-        weight_bytes=costs.body_bytes + tokens * costs.embed_row_bytes + head,
+        weight_bytes=body + tokens * costs.embed_row_bytes + head,
         kv_read_bytes=kv_positions * per_layer_kv + copied,
         kv_write_bytes=tokens * costs.kv_bytes_per_token + copied,
         flops=tokens * costs.body_flops_per_token
