@@ -14,7 +14,7 @@ def _env(flag: str, default: str | None = None) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagoda.server.engine.config import EngineArgs, parse_bytes
+    from pagoda.server.engine.config import EngineArgs, env_bool, parse_bytes
 
     group = parser.add_argument_group("server")
 
@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("max-request-body-bytes", type=parse_bytes, default=4 << 20, help="413 above this body size")
     add("drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("log-level", default="info", help="debug, info, warning, error")
+    group.add_argument(
+        "--vllm-compatible-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool(_env("vllm-compatible-metrics"), False),
+        help="also export /metrics under vLLM's names (vllm:*), for tools written for vLLM",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -49,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         max_request_body_bytes=args.max_request_body_bytes,
         drain_timeout=args.drain_timeout,
+        vllm_compatible_metrics=args.vllm_compatible_metrics,
     )
     return asyncio.run(_serve(config, EngineArgs.from_cli_args(args), args.host, args.port))
 
