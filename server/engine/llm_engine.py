@@ -10,6 +10,7 @@ import logging
 import time
 
 import torch
+from pagoda.server.engine import prompt_logprobs
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.config import EngineArgs
@@ -127,6 +128,8 @@ class LLMEngine:
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len}"
             )
+        if any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
         if params.num_seqs > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n: {params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
@@ -208,6 +211,7 @@ class LLMEngine:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
         logits, sampled = self.runner.execute(out)
+        prompt_logprobs.record(out.prompt_scores)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
