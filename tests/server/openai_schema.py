@@ -46,7 +46,13 @@ def _closed(node: Any) -> Any:
     return node
 
 
-def strict_schema(model: type, stream: bool = False) -> dict[str, Any]:
+def _nullable_items(node: dict[str, Any]) -> None:
+    for option in node["anyOf"]:
+        if option.get("type") == "array":
+            option["items"] = {"anyOf": [option["items"], {"type": "null"}]}
+
+
+def strict_schema(model: type, stream: bool = False, echo: bool = False) -> dict[str, Any]:
     schema = _closed(copy.deepcopy(model.model_json_schema()))
     for name, required in SPEC_REQUIRED[model].items():
         definition = schema["$defs"][name]
@@ -56,13 +62,20 @@ def strict_schema(model: type, stream: bool = False) -> dict[str, Any]:
         # last chunk of a choice (as OpenAI's own streams send it).
         reason = schema["$defs"]["CompletionChoice"]["properties"]["finish_reason"]
         schema["$defs"]["CompletionChoice"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}
+    if echo and model is Completion:
+        # With echo the first prompt token has no logprob: OpenAI's legacy API (and vLLM) send null
+        # there, which the SDK's types do not spell out (its client parses responses leniently).
+        logprobs = schema["$defs"]["Logprobs"]["properties"]
+        _nullable_items(logprobs["token_logprobs"])
+        _nullable_items(logprobs["top_logprobs"])
     return schema
 
 
-def shape_errors(model: type, body: dict[str, Any], stream: bool = False) -> list[str]:
-    """Where `body` leaves OpenAI's shape (empty: it conforms); the SDK's model must parse it too."""
-    validator = jsonschema.Draft202012Validator(strict_schema(model, stream))
+def shape_errors(model: type, body: dict[str, Any], stream: bool = False, echo: bool = False) -> list[str]:
+    """Where `body` leaves OpenAI's shape (empty: it conforms); the SDK's model must parse it too
+    (except for the nulls the SDK's types leave out, see `strict_schema`)."""
+    validator = jsonschema.Draft202012Validator(strict_schema(model, stream, echo))
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(body)]
-    if not errors and not (stream and model is Completion):
+    if not errors and not ((stream or echo) and model is Completion):
         model.model_validate(body)  # raises on anything the pydantic model refuses
     return errors

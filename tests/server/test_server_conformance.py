@@ -46,17 +46,19 @@ def test_chat_bodies_and_chunks_fit_openai(server, http_request, extra):
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"logprobs": 2}, {"prompt": ["a", "b"], "n": 2}],
-    ids=["plain", "logprobs", "prompts-n"],
-)
+    [{}, {"logprobs": 2}, {"prompt": ["a", "b"], "n": 2}, {"echo": True, "logprobs": 1},
+     {"echo": True, "max_tokens": 0, "logprobs": 0}, {"best_of": 2, "logit_bias": {"5": 3}}],
+    ids=["plain", "logprobs", "prompts-n", "echo", "score-only", "best_of"],
+)  # fmt: skip
 def test_completion_bodies_and_chunks_fit_openai(server, http_request, extra):
     body = {**COMPLETION, **extra}
     result = http_request(server.url, "POST", "/v1/completions", body)
     assert result.status == 200, result.text
-    assert shape_errors(Completion, result.json()) == []
-    if body.get("max_tokens") != 0:  # score-only requests are not streamed
+    echo = body.get("echo", False)
+    assert shape_errors(Completion, result.json(), echo=echo) == []
+    if body.get("max_tokens") != 0 and "best_of" not in body:  # these are not streamed
         for chunk in stream_chunks(server.url, "/v1/completions", body):
-            assert shape_errors(Completion, chunk, stream=True) == [], chunk
+            assert shape_errors(Completion, chunk, stream=True, echo=echo) == [], chunk
 
 
 def test_the_check_itself_catches_a_missing_refusal_and_an_unknown_field(server, http_request):
