@@ -75,6 +75,9 @@ BUILTIN_RESOURCES: dict[str, kmock.ResourceInfo] = {
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
 SERVICE_MONITOR_INFO = kmock.ResourceInfo(kind="ServiceMonitor", singular="servicemonitor",
                                           namespaced=True, verbs=VERBS)
+INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+INFERENCE_POOL_INFO = kmock.ResourceInfo(kind="InferencePool", singular="inferencepool",
+                                         namespaced=True, verbs=VERBS, shortnames={"infpool"})
 
 
 def _parse_path_with_namespaces(path: str) -> parsing.ParsedPath:
@@ -90,12 +93,16 @@ _kmock_parse_path = parsing.parse_path
 parsing.parse_path = _parse_path_with_namespaces
 
 
-def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False) -> None:
-    """Declare the built-in resources (kopf starts no watch on undeclared ones)."""
+def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False,
+                              inference_pools: bool = False) -> None:
+    """Declare the built-in resources (kopf starts no watch on undeclared ones), and optionally the
+    CRD-defined kinds the operator looks for (ServiceMonitor, InferencePool)."""
     for key, info in BUILTIN_RESOURCES.items():
         emulator.resources[key] = attrs.evolve(info)
     if service_monitors:
         emulator.resources[SERVICE_MONITORS] = attrs.evolve(SERVICE_MONITOR_INFO)
+    if inference_pools:
+        emulator.resources[INFERENCE_POOLS] = attrs.evolve(INFERENCE_POOL_INFO)
 
 
 def declare_crd(emulator: kmock.KubernetesEmulator, crd: Mapping[str, Any]) -> str:
