@@ -9,6 +9,7 @@ import contextlib
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -97,7 +98,7 @@ async def _stream(
     formatter: Formatter,
     ids: ResponseIds,
     usage_object: str | None,
-    part: Any,
+    part: Callable[[int, RequestOutput], PromptPart | None],
 ) -> web.StreamResponse:
     # The first snapshot comes before the headers, so a request the engine refuses is still a 4xx.
     first = await anext(events)
