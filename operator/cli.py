@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between status refreshes of each InferenceService")
     parser.add_argument("--server-image", default="",
                         help="default serving image (else env PAGODA_SERVER_IMAGE)")
+    parser.add_argument("--no-autoscaler", dest="autoscaler", action="store_false",
+                        help="never scale: leave spec.replicas to KEDA, an HPA or people, even where "
+                             "spec.autoscaling.enabled is true (status.kvCache is still reported)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
 
@@ -42,7 +45,9 @@ def main(args: argparse.Namespace) -> int:
     import kopf
     import prometheus_client
     from pagoda.operator import handlers
+    from pagoda.operator.autoscaling.handlers import SWITCH
 
+    SWITCH.enabled = args.autoscaler
     handlers.CONFIG.status_interval = args.status_interval
     handlers.CONFIG.default_image = args.server_image
     if args.metrics_port:

@@ -174,6 +174,26 @@ MONITORING = _obj("Prometheus Operator integration.", default={}, properties={
                             "condition says when it is skipped).", default=True),
     "labels": _string_map("Extra labels on the ServiceMonitor, e.g. {release: kube-prometheus-stack}."),
     "interval": _str("Scrape interval.", default="15s", pattern=DURATION_PATTERN),
+    "vllmCompatibleMetrics": _bool("Also export the pods' metrics under vLLM's names (vllm:*), for tools "
+                                   "written for vLLM: KEDA examples, inference-perf, vLLM dashboards. "
+                                   "routing.inferencePool turns it on too.", default=False),
+})
+
+ROUTING = _obj("Routing through the Kubernetes Gateway API inference extension.", default={}, properties={
+    "inferencePool": _obj("An InferencePool (inference.networking.k8s.io/v1) selecting exactly this "
+                          "service's serving pods, for a Gateway whose endpoint picker routes by queue "
+                          "length and KV-cache use. Also labels the pods with the engine type the picker "
+                          "reads and turns on the vLLM-compatible metric names.", default={}, properties={
+        "enabled": _bool("Create the InferencePool (only when its CRD is installed; a status condition "
+                         "says when it is skipped).", default=False),
+        "endpointPicker": _obj("The endpoint picker Service the pool delegates to (installed with the "
+                               "inference extension's chart).", default={}, properties={
+            "name": _str("Service name; default: `<name>-epp`.", pattern=DNS_LABEL_PATTERN, maxLength=253),
+            "port": _int("Service port of the picker's ext-proc gRPC.", default=9002, minimum=1, maximum=65535),
+            "failureMode": _str("What the gateway does when the picker does not answer.", default="FailClose",
+                                enum=["FailOpen", "FailClose"]),
+        }),
+    }),
 })
 
 SPEC = _obj("What to serve and how.", {
@@ -198,10 +218,11 @@ SPEC = _obj("What to serve and how.", {
                                   default=1800, minimum=60, maximum=86400),
     "autoscaling": AUTOSCALING,
     "monitoring": MONITORING,
+    "routing": ROUTING,
 }, required=["model"])
 
 CONDITION = _obj("A metav1.Condition.", {
-    "type": _str("Ready, Progressing, Degraded or ServiceMonitor.", maxLength=316),
+    "type": _str("Ready, Progressing, Degraded, ServiceMonitor or InferencePool.", maxLength=316),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("CamelCase reason.", maxLength=1024),
     "message": _str("Human-readable details.", maxLength=32768),
@@ -220,7 +241,7 @@ STATUS = _obj("What the operator observes.", {
     "endpoint": _str("OpenAI base URL inside the cluster."),
     "model": _str("The model name clients send (OpenAI `model`): spec.model.servedName, the uri's last "
                   "part, or the embedded model's name."),
-    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ServiceMonitor.",
+    "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ServiceMonitor, InferencePool.",
                    "items": CONDITION, "x-kubernetes-list-type": "map",
                    "x-kubernetes-list-map-keys": ["type"]},
     "kvCache": _obj("KV-cache capacity and usage as reported by the pods (the autoscaler's collection).", {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from pagoda.operator import apply, crd, kube, metrics, render, status
+from pagoda.operator import apply, crd, kube, metrics, render, routing, status
 
 GROUP, VERSION, PLURAL = crd.GROUP, crd.VERSION, crd.PLURAL
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
@@ -87,6 +87,10 @@ async def _observe(owner: render.Owner, logger: kopf.Logger, apply_error: str | 
     return status.Observation(deployment, pods, apply_error)
 
 
+def optional_child_state(wanted: bool, served: bool) -> str:
+    return "Disabled" if not wanted else "Created" if served else "CRDNotFound"
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -106,8 +110,10 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
     defaulted = crd.with_defaults(spec)
     # asked every time: the Prometheus Operator may be installed (or removed) after us
     monitors_served = await kube.serves(SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
+    pools_served = await kube.serves(render.INFERENCE_POOL.api_version, render.INFERENCE_POOL.plural, logger)
     try:
-        desired = render.render(owner, spec, default_image=CONFIG.image(), service_monitors_served=monitors_served)
+        desired = render.render(owner, spec, default_image=CONFIG.image(), service_monitors_served=monitors_served,
+                                inference_pools_served=pools_served)
     except ValueError as exc:  # the schema refuses these; only an unvalidated object gets here
         raise kopf.PermanentError(str(exc)) from exc
     apply_error = None
@@ -116,13 +122,14 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
     except apply.ApplyError as exc:
         apply_error = f"the API refused: {exc}"
         metrics.ERRORS.labels("apply").inc()
-    monitor_state = ("Disabled" if not render.service_monitor_wanted(defaulted)
-                     else "Created" if monitors_served else "CRDNotFound")
+    monitor_state = optional_child_state(render.service_monitor_wanted(defaulted), monitors_served)
+    pool_state = optional_child_state(routing.pool_wanted(defaulted), pools_served)
     async with _status_lock(memo):
         previous = _last_status(body, memo)
         observation = await _observe(owner, logger, apply_error)
         new = status.compute_status(owner, defaulted, observation, generation=generation, now=_now(),
-                                    previous=previous, service_monitor_state=monitor_state)
+                                    previous=previous, service_monitor_state=monitor_state,
+                                    inference_pool_state=pool_state)
         await _publish_status(body, memo, new, previous, logger)
     metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
     if apply_error:

@@ -5,7 +5,9 @@ Children (all owned by the InferenceService, so deleting it garbage-collects the
 - Deployment `<name>` running `pagoda serve` (replicas from spec.replicas, never from the template);
 - Service `<name>` (port 8000 `http`);
 - ServiceMonitor `<name>` when wanted and its CRD is installed;
+- InferencePool `<name>` when spec.routing.inferencePool asks and its CRD is installed (routing.py);
 - PodDisruptionBudget `<name>` when spec.replicas > 1.
+Every child's shape lives here, one function each, so the goldens review them together (hence the length).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.operator import crd
+from pagoda.operator import crd, routing
 
 FIELD_MANAGER = "pagoda-operator"
 SERVER_PORT = 8000
@@ -212,6 +214,7 @@ def engine_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, str]
         "PAGODA_ENABLE_CHUNKED_PREFILL": engine["enableChunkedPrefill"],
         "PAGODA_SEED": engine.get("seed"),
         "PAGODA_DRAIN_TIMEOUT": spec["drainTimeoutSeconds"],
+        "PAGODA_VLLM_COMPATIBLE_METRICS": True if routing.vllm_metrics_wanted(spec) else None,
     }
     return [{"name": k, "value": _env_value(v)} for k, v in values.items() if v is not None]
 
@@ -302,7 +305,7 @@ def pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, An
             pod[key] = resources[key]
     if spec.get("imagePullSecrets"):
         pod["imagePullSecrets"] = spec["imagePullSecrets"]
-    return {"metadata": {"labels": common_labels(owner)}, "spec": pod}
+    return {"metadata": {"labels": {**common_labels(owner), **routing.pod_labels(spec)}}, "spec": pod}
 
 
 def template_hash(template: dict[str, Any]) -> str:
@@ -366,7 +369,8 @@ DEPLOYMENT = ChildKind("apps/v1", "Deployment", "deployments")
 SERVICE = ChildKind("v1", "Service", "services")
 SERVICE_MONITOR = ChildKind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
-KINDS = {k.kind: k for k in (PVC, DEPLOYMENT, SERVICE, SERVICE_MONITOR, PDB)}
+INFERENCE_POOL = ChildKind(routing.POOL_API_VERSION, routing.POOL_KIND, routing.POOL_PLURAL)
+KINDS = {k.kind: k for k in (PVC, DEPLOYMENT, SERVICE, SERVICE_MONITOR, PDB, INFERENCE_POOL)}
 
 
 @dataclass(frozen=True)
@@ -382,7 +386,7 @@ def service_monitor_wanted(spec: dict[str, Any]) -> bool:
 
 
 def render(owner: Owner, raw_spec: dict[str, Any], *, default_image: str,
-           service_monitors_served: bool) -> Desired:
+           service_monitors_served: bool, inference_pools_served: bool = False) -> Desired:
     """All children for `raw_spec` (defaulted here with the CRD's own defaults)."""
     spec = crd.with_defaults(raw_spec)
     image = spec.get("image") or default_image
@@ -396,6 +400,11 @@ def render(owner: Owner, raw_spec: dict[str, Any], *, default_image: str,
         objects.append(service_monitor(owner, spec))
     elif service_monitors_served:
         absent.append((SERVICE_MONITOR, owner.name))
+    if routing.pool_wanted(spec) and inference_pools_served:
+        objects.append(routing.inference_pool(_metadata(owner, owner.name), selector_labels(owner), SERVER_PORT,
+                                              spec))
+    elif inference_pools_served:
+        absent.append((INFERENCE_POOL, owner.name))
     if spec["replicas"] > 1:
         objects.append(pod_disruption_budget(owner))
     else:

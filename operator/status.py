@@ -6,6 +6,7 @@ Conditions (metav1.Condition shape):
 - Degraded: something needs a human: image pull, crash loop, unschedulable pod, failed download,
   config error, stuck rollout, or children the API refused.
 - ServiceMonitor: whether the ServiceMonitor exists, and why not.
+- InferencePool (only when spec.routing.inferencePool asks): whether the pool exists, and why not.
 """
 
 from __future__ import annotations
@@ -172,25 +173,37 @@ def workload_conditions(desired: int, obs: Observation) -> list[dict[str, str]]:
     return [ready_cond, progressing, degraded]
 
 
-SERVICE_MONITOR_MESSAGES = {
-    "Created": ("True", "the ServiceMonitor selects the Service's http port"),
-    "Disabled": ("False", "spec.monitoring.serviceMonitor is false"),
-    "CRDNotFound": ("False", "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster "
-                             "(install the Prometheus Operator CRDs); skipped"),
+# Optional children: condition type -> state -> (status, message); None: no condition in that state.
+OPTIONAL_CHILD_MESSAGES: dict[str, dict[str, tuple[str, str] | None]] = {
+    "ServiceMonitor": {
+        "Created": ("True", "the ServiceMonitor selects the Service's http port"),
+        "Disabled": ("False", "spec.monitoring.serviceMonitor is false"),
+        "CRDNotFound": ("False", "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster "
+                                 "(install the Prometheus Operator CRDs); skipped"),
+    },
+    "InferencePool": {
+        "Created": ("True", "the InferencePool selects the serving pods' port 8000 for the endpoint picker"),
+        "Disabled": None,  # not asked for: nothing to report
+        "CRDNotFound": ("False", "inference.networking.k8s.io/v1 InferencePool is not served by this cluster "
+                                 "(install the Gateway API inference extension CRDs); skipped"),
+    },
 }
 
 
-def service_monitor_condition(state: str) -> dict[str, str]:
-    status, message = SERVICE_MONITOR_MESSAGES[state]
-    return {"type": "ServiceMonitor", "status": status, "reason": state, "message": message}
+def optional_child_condition(kind: str, state: str) -> dict[str, str] | None:
+    entry = OPTIONAL_CHILD_MESSAGES[kind][state]
+    if entry is None:
+        return None
+    status, message = entry
+    return {"type": kind, "status": status, "reason": state, "message": message}
 
 
 def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, generation: int, now: str,
-                   previous: Mapping[str, Any] | None, service_monitor_state: str | None) -> dict[str, Any]:
+                   previous: Mapping[str, Any] | None, service_monitor_state: str | None,
+                   inference_pool_state: str | None = None) -> dict[str, Any]:
     """The operator-owned part of status (kvCache and autoscaling are the autoscaler's).
 
-    `service_monitor_state` is None when this pass did not look (status refresh): the previous
-    ServiceMonitor condition is kept.
+    A None `*_state` means this pass did not look (status refresh): the previous condition is kept.
     """
     previous = previous or {}
     desired = int(spec.get("replicas", 1))
@@ -198,11 +211,12 @@ def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, g
     ready = int(dep_status.get("readyReplicas") or 0)
     conditions = workload_conditions(desired, obs)
     old_conditions = previous.get("conditions") or []
-    if service_monitor_state is not None:
-        conditions.append(service_monitor_condition(service_monitor_state))
-    else:
-        conditions += [{k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")}
-                       for c in old_conditions if c.get("type") == "ServiceMonitor"]
+    for kind, state in (("ServiceMonitor", service_monitor_state), ("InferencePool", inference_pool_state)):
+        if state is not None:
+            conditions += [c for c in [optional_child_condition(kind, state)] if c is not None]
+        else:
+            conditions += [{k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")}
+                           for c in old_conditions if c.get("type") == kind]
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": int(dep_status.get("replicas") or 0),
@@ -241,8 +255,8 @@ def transitions(new: Iterable[Mapping[str, Any]], old: Iterable[Mapping[str, Any
             events.append(("Warning", cond["reason"], cond["message"]))
         elif cond["type"] == "Degraded" and prior is not None and prior.get("status") == "True":
             events.append(("Normal", "Recovered", cond["message"]))
-        elif cond["type"] == "ServiceMonitor" and cond["reason"] == "CRDNotFound":
-            events.append(("Warning", "ServiceMonitorSkipped", cond["message"]))
+        elif cond["type"] in OPTIONAL_CHILD_MESSAGES and cond["reason"] == "CRDNotFound":
+            events.append(("Warning", f"{cond['type']}Skipped", cond["message"]))
     return events
 
 

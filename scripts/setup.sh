@@ -2,7 +2,8 @@
 # Set up everything pagoda needs in .venv at the repo root.
 #   scripts/setup.sh          serving: the package, torch (CPU build pinned), the default model
 #   scripts/setup.sh --dev    also the test tools: pytest & co, triton, Debian's prometheus,
-#                             chromium and shellcheck, and a helm binary (scripts/get-helm.sh)
+#                             chromium and the shell linter, a helm binary (scripts/get-helm.sh),
+#                             lm-eval in .venv-lmeval
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The repo root holds a folder named `operator` (a stdlib name): never let `python -m` put the
@@ -38,5 +39,11 @@ if [ "$dev" = 1 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
   fi
   if [ -x scripts/get-helm.sh ]; then scripts/get-helm.sh; fi
+  # lm-eval (tests/evaluation) in a venv of its own: its dependency tree stays out of the serving
+  # one. Same torch (constraints.txt) and the same transformers as .venv, so both sides load alike.
+  [ -x .venv-lmeval/bin/python ] || "$python" -m venv .venv-lmeval
+  transformers=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("transformers"))')
+  .venv-lmeval/bin/python -m pip --disable-pip-version-check -q install -c constraints.txt \
+    "lm-eval[api,hf]==0.4.13" "transformers==$transformers"
 fi
 echo "pagoda set up in .venv"

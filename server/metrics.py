@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.vllm_metrics import vllm_families
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -137,8 +138,9 @@ def _roofline_families(stats: EngineStats, label: list[str]) -> Iterable[Metric]
 class ServerMetrics:
     """One registry per server (tests run several servers in one process)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, vllm_compatible: bool = False) -> None:
         self.model_name = model_name
+        self.vllm_compatible = vllm_compatible  # also export the values under vLLM's names
         self.registry = CollectorRegistry()
         self._stats_reader: StatsReader | None = None
         # First in the registry: each scrape reads the engine (and its step counts into the
@@ -201,11 +203,28 @@ class ServerMetrics:
             self.compute_utilization.observe(step.compute_utilization)
             self.intensity.observe(step.intensity)
 
+    def families(self) -> list[Metric]:
+        """Everything one scrape exports: pagoda's families (read once), then their vLLM copies."""
+        families = list(self.registry.collect())
+        if self.vllm_compatible:
+            families += vllm_families(families)
+        return families
+
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_Collected(self.families()))
 
     def request_tracker(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+class _Collected:
+    """Already collected families, in the shape `generate_latest` reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 class RequestTracker:

@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.server.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagoda.server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request; more is almost always a client bug and multiplies KV use
 MAX_STOP_SEQUENCES = 16
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # Fields OpenAI clients may send that change nothing about generation.
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 
@@ -70,11 +71,18 @@ class GenerationRequest:
     # False: max_tokens is the endpoint's default (16 for completions, none for chat), which the
     # server shrinks to what fits in the context; an explicit value that does not fit is a 400.
     max_tokens_given: bool = False
+    # Choices returned per prompt. With best_of > n the engine runs params.n = best_of sequences and
+    # the server keeps the n with the highest cumulative logprob (never streamed).
+    n: int = 1
+    # max_tokens 0 with echo: only the prompt is scored. The engine runs one token, which is dropped.
+    score_only: bool = False
 
 
 @dataclass
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False  # prompt text (and, with logprobs, prompt-token logprobs) before each choice
+    prompt_logprobs: int | None = None  # vLLM's extension: `prompt_logprobs` on each choice
 
 
 @dataclass
@@ -150,6 +158,30 @@ def _stop_token_ids(body: dict) -> list[int] | None:
     return value
 
 
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias}: JSON keys are strings of token ids, biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(
+            f"logit_bias: must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids", param="logit_bias"
+        )
+    bias = {}
+    for key, number in value.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None:
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+        if not _is_number(number) or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise bad_request(
+                f"logit_bias: values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {number!r} "
+                f"for token {key}",
+                param="logit_bias",
+            )
+        bias[token] = float(number)
+    return bias
+
+
 def _check_fields(body: dict, known: set[str]) -> None:
     for name in body:
         if name not in known and name not in _IGNORED_FIELDS:
@@ -162,18 +194,22 @@ def _refuse_unsupported(body: dict, name: str, supported: Any = None, why: str =
         raise bad_request(f"{name}: {why}", param=name)
 
 
-def _common(body: dict, default_max_tokens: int | None) -> tuple[dict, bool, bool]:
-    """Read the sampling fields both endpoints share; returns (SamplingParams kwargs, stream, include_usage)."""
+def _common(
+    body: dict, default_max_tokens: int | None, min_max_tokens: int = 1
+) -> tuple[dict, int, bool, bool]:
+    """Read the sampling fields both endpoints share: (SamplingParams kwargs, n, stream, include_usage).
+
+    kwargs["n"] is what the engine runs: best_of when given (the server keeps the best n)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model: must be a string, got {model!r}", param="model")
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of: only best_of == n is supported", param="best_of")
-    max_tokens = _int(body, "max_tokens", default_max_tokens, 1)
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of: must be >= n ({n}), got {best_of}", param="best_of")
+    max_tokens = _int(body, "max_tokens", default_max_tokens, min_max_tokens)
     kwargs = dict(
-        n=n,
+        n=best_of or n,
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
@@ -187,6 +223,7 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[dict, bool, boo
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 1e-6, 100.0),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        logit_bias=_logit_bias(body),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("top_p: must be in (0, 1], got 0", param="top_p")
@@ -202,7 +239,10 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[dict, bool, boo
         if unknown:
             raise bad_request(f"stream_options: unknown field {sorted(unknown)[0]}", param="stream_options")
         include_usage = _bool(options, "include_usage", False)
-    return kwargs, stream, include_usage
+    if stream and kwargs["n"] > n:
+        raise bad_request("best_of: cannot be used with stream (the best are known only at the end)",
+                          param="best_of")  # fmt: skip
+    return kwargs, n, stream, include_usage
 
 
 _SAMPLING_FIELDS = {
@@ -237,22 +277,36 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     body = _require_object(body)
-    _check_fields(body, _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix"})
+    _check_fields(body, _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "prompt_logprobs"})
     if "prompt" not in body:
         raise bad_request("prompt: is required", param="prompt")
     prompts = _prompts(body["prompt"])
-    _refuse_unsupported(body, "echo", supported=False)
     _refuse_unsupported(body, "suffix", why="is not supported (no insertion models)")
-    _refuse_unsupported(body, "logit_bias")
-    kwargs, stream, include_usage = _common(body, default_max_tokens=16)
-    kwargs["logprobs"] = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = _bool(body, "echo", False)
+    kwargs, n, stream, include_usage = _common(body, default_max_tokens=16, min_max_tokens=0)
+    score_only = kwargs["max_tokens"] == 0
+    if score_only and not echo:
+        raise bad_request("max_tokens: 0 is only allowed with echo (scoring the prompt)", param="max_tokens")
+    if score_only and stream:
+        raise bad_request("max_tokens: 0 (scoring the prompt) cannot be streamed", param="max_tokens")
+    logprobs = kwargs["logprobs"] = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    # The engine scores prompt tokens for echo with logprobs and for vLLM's prompt_logprobs: the wider wins.
+    wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
+    kwargs["prompt_logprobs"] = max(wanted) if wanted else None
+    if score_only:
+        kwargs["max_tokens"] = 1
     return CompletionRequest(
         model=body.get("model"),
         params=SamplingParams(**kwargs),
         stream=stream,
         include_usage=include_usage,
         max_tokens_given=body.get("max_tokens") is not None,
+        n=n,
         prompts=prompts,
+        echo=echo,
+        score_only=score_only,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -303,14 +357,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         _refuse_unsupported(body, name, why="tool calling is not supported")
     for name in ("tool_choice", "function_call"):
         _refuse_unsupported(body, name, supported="none", why="tool calling is not supported")
-    _refuse_unsupported(body, "logit_bias")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad_request("response_format: only {'type': 'text'} is supported", param="response_format")
     # max_completion_tokens is the new name of max_tokens; either may come.
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = _int(body, limit_name, None, 1)
-    kwargs, stream, include_usage = _common({**body, "max_tokens": None}, default_max_tokens=None)
+    kwargs, n, stream, include_usage = _common({**body, "max_tokens": None}, default_max_tokens=None)
     kwargs["max_tokens"] = limit
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -325,6 +378,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         max_tokens_given=limit is not None,
+        n=n,
         messages=parsed,
         top_logprobs=top_logprobs,
     )

@@ -14,7 +14,7 @@ def _env(flag: str, default: str | None = None) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagoda.server.engine.config import EngineArgs, parse_bytes
+    from pagoda.server.engine.config import EngineArgs, env_bool, parse_bytes
 
     group = parser.add_argument_group("server")
 
@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("log-level", default="info", help="debug, info, warning, error")
     add("kv-usage-target", type=float, default=0.7,
         help="the autoscaler's KV-cache usage target, shown on the /kv page (default 0.7)")  # fmt: skip
+    group.add_argument(
+        "--vllm-compatible-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool(_env("vllm-compatible-metrics"), False),
+        help="also export /metrics under vLLM's names (vllm:*), for tools written for vLLM",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -52,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         drain_timeout=args.drain_timeout,
         kv_usage_target=args.kv_usage_target,
+        vllm_compatible_metrics=args.vllm_compatible_metrics,
     )
     return asyncio.run(_serve(config, EngineArgs.from_cli_args(args), args.host, args.port))
 

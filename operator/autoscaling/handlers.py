@@ -7,7 +7,9 @@ Each round: read the scale subresource (current replicas, pod selector); list th
 ready ones (or query Prometheus); write `status.kvCache` (always, even with autoscaling disabled);
 when enabled, decide (pure HPA maths), write `spec.replicas` through the scale subresource if it
 changes, post an Event, and record the decision in `status.autoscaling`. Disabled autoscaling never
-touches `spec.replicas`, so users, HPA or KEDA can own it.
+touches `spec.replicas`, so users, HPA or KEDA can own it. `pagoda operator --no-autoscaler` disables
+it for every InferenceService whatever its spec says (an external autoscaler owns every replica
+count; a Warning Event tells objects that ask for the built-in one).
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from pagoda.operator.autoscaling.metrics import PodSample, query_prometheus, scr
 from pagoda.operator.autoscaling.pods import is_ready, live_pods, scrape_target
 
 HISTORY_MEMO_KEY = "autoscaler_history"
+WARNED_MEMO_KEY = "autoscaler_off_warned"
+
+
+class Switch:
+    """Operator-wide: False (`--no-autoscaler`) means never write spec.replicas, whatever the spec asks."""
+
+    enabled = True
+
+
+SWITCH = Switch()
 
 _clock_anchors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[float, float]] = (
     weakref.WeakKeyDictionary())
@@ -84,7 +96,12 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
     status_patch: dict[str, Any] = {}
     if (kv_cache := report.kv_cache_status(samples, now)) is not None:
         status_patch["kvCache"] = kv_cache
-    if autoscaling.get("enabled"):
+    if autoscaling.get("enabled") and not SWITCH.enabled and not memo.get(WARNED_MEMO_KEY):
+        memo[WARNED_MEMO_KEY] = True
+        kopf.event(body, type="Warning", reason="AutoscalerOff",
+                   message="spec.autoscaling.enabled is ignored: the operator runs with --no-autoscaler "
+                           "(an external autoscaler such as KEDA or an HPA owns spec.replicas)")
+    if autoscaling.get("enabled") and SWITCH.enabled:
         observations = [PodObservation(n, True, s.values() if isinstance(s, PodSample) else {})
                         for n, s in samples.items()] + [PodObservation(n, False) for n in not_ready]
         history = known_history(memo, status, current, now)

@@ -31,13 +31,13 @@ class ChatFormatter:
             item = self._entry(token_id, chosen_logprob(entry, token_id))
             item["top_logprobs"] = [self._entry(t, lp) for t, lp in top_entries(entry, self._top_logprobs)]
             content.append(item)
-        return {"content": content}
+        return {"content": content, "refusal": None}
 
     def stream_chunks(self, index: int, delta: Delta, first: bool) -> list[dict[str, Any]]:
         chunks = []
         envelope = self._ids.envelope("chat.completion.chunk")
         if first:  # OpenAI opens every choice with the role
-            role = {"role": "assistant", "content": ""}
+            role = {"role": "assistant", "content": "", "refusal": None}
             chunks.append({**envelope, "choices": [{"index": index, "delta": role, "logprobs": None,
                                                     "finish_reason": None}]})  # fmt: skip
         if delta.text or delta.token_ids or delta.finish_reason:
@@ -53,7 +53,8 @@ class ChatFormatter:
             "choices": [
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": delta.text},
+                    # OpenAI's schema requires `refusal`; this model never refuses by itself.
+                    "message": {"role": "assistant", "content": delta.text, "refusal": None},
                     "logprobs": self._logprobs(delta),
                     "finish_reason": delta.finish_reason,
                 }

@@ -1,36 +1,46 @@
-"""POST /v1/completions: OpenAI's legacy text-completion shapes."""
+"""POST /v1/completions: OpenAI's legacy text-completion shapes, with echo and vLLM's prompt_logprobs.
+
+With `echo` each choice starts with its prompt: the text, and with `logprobs` the prompt tokens'
+logprobs (the first token's is null) ahead of the generated ones, as OpenAI's legacy API and vLLM
+return them; `max_tokens: 0` with echo scores the prompt only (what evaluation harnesses send).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pagoda.server.api.generation import Delta, TokenText, chosen_logprob, top_entries
+from pagoda.server.api.generation import Delta, TokenText, chosen_logprob, json_logprob, top_entries
 from pagoda.server.api.serving import ResponseIds, serve_generation
-from pagoda.server.protocol import parse_completion_request
+from pagoda.server.protocol import CompletionRequest, parse_completion_request
 
 if TYPE_CHECKING:
     from pagoda.server.api.state import ServerState
 
 
 class CompletionFormatter:
-    def __init__(self, ids: ResponseIds, token_text: TokenText, top_k: int | None) -> None:
+    def __init__(self, ids: ResponseIds, token_text: TokenText, req: CompletionRequest) -> None:
         self._ids = ids
         self._token_text = token_text
-        self._top_k = top_k
+        self._top_k = req.params.logprobs
+        self._echo = req.echo
+        self._prompt_logprobs = req.prompt_logprobs
         self._offsets: dict[int, int] = {}  # chars already emitted per choice, for text_offset
 
     def _logprobs(self, index: int, delta: Delta) -> dict[str, Any] | None:
         if self._top_k is None or delta.logprobs is None:
             return None
+        pairs = list(zip(delta.token_ids, delta.logprobs, strict=False))
+        if self._echo and delta.prompt is not None:
+            pairs = list(zip(delta.prompt.token_ids, delta.prompt.logprobs or [], strict=True)) + pairs
         tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = self._offsets.get(index, 0)
-        for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=False):
+        for token_id, entry in pairs:
             text = self._token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(chosen_logprob(entry, token_id))
+            token_logprobs.append(chosen_logprob(entry, token_id) if entry is not None else None)
             top: dict[str, float] = {}
-            for top_id, top_lp in top_entries(entry, self._top_k):
+            for top_id, top_lp in top_entries(entry or {}, self._top_k):
                 top.setdefault(self._token_text(top_id), top_lp)  # tokens may share a text: keep the likelier
             tops.append(top or None)
             offsets.append(offset)
@@ -43,13 +53,36 @@ class CompletionFormatter:
             "text_offset": offsets,
         }
 
+    def _vllm_prompt_logprobs(self, delta: Delta) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's shape: per prompt token null (the first) or {"<token id>": {logprob, rank, decoded_token}}."""
+        assert self._prompt_logprobs is not None and delta.prompt is not None
+        part = delta.prompt
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for token_id, entry, rank in zip(part.token_ids, part.logprobs or [], part.ranks or [], strict=True):
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = top_entries(entry, self._prompt_logprobs)
+            position: dict[str, dict[str, Any]] = {
+                str(t): {"logprob": lp, "rank": i + 1, "decoded_token": self._token_text(t)}
+                for i, (t, lp) in enumerate(ranked)
+            }
+            position[str(token_id)] = {"logprob": json_logprob(entry[token_id]), "rank": rank,
+                                       "decoded_token": self._token_text(token_id)}  # fmt: skip
+            out.append(position)
+        return out
+
     def _choice(self, index: int, delta: Delta) -> dict[str, Any]:
-        return {
+        text = delta.prompt.text + delta.text if self._echo and delta.prompt is not None else delta.text
+        choice = {
             "index": index,
-            "text": delta.text,
+            "text": text,
             "logprobs": self._logprobs(index, delta),
             "finish_reason": delta.finish_reason,
         }
+        if self._prompt_logprobs is not None and delta.prompt is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(delta)
+        return choice
 
     def stream_chunks(self, index: int, delta: Delta, first: bool) -> list[dict[str, Any]]:
         return [{**self._ids.envelope("text_completion"), "choices": [self._choice(index, delta)]}]
@@ -66,8 +99,12 @@ async def create_completion(request: web.Request, state: ServerState, body: Any)
     req = parse_completion_request(body)
     state.check_model(req.model)
     with state.admit() as engine:
+        tokenizer = engine.tokenizer
         # Tokenized exactly like the engine does for text prompts (an empty one stays empty: a 400).
-        prompts = [p if isinstance(p, list) else engine.tokenizer.encode(p) if p else [] for p in req.prompts]
+        prompts = [p if isinstance(p, list) else tokenizer.encode(p) if p else [] for p in req.prompts]
+        texts = None
+        if req.echo or req.prompt_logprobs is not None:
+            texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
         ids = ResponseIds("cmpl", state.model_name)
-        formatter = CompletionFormatter(ids, TokenText(engine.tokenizer), req.params.logprobs)
-        return await serve_generation(request, state, req, prompts, ids, formatter, "text_completion")
+        formatter = CompletionFormatter(ids, TokenText(tokenizer), req)
+        return await serve_generation(request, state, req, prompts, ids, formatter, "text_completion", texts)

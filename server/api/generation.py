@@ -154,9 +154,10 @@ def _is_snapshot(item: Any) -> bool:
     return item is not _DONE and not isinstance(item, BaseException)
 
 
-def usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage(finals: Sequence[RequestOutput], score_only: bool = False) -> dict[str, Any]:
+    """Every sequence the engine ran counts (best_of's discarded ones too); scoring generates nothing."""
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-    completion_tokens = sum(len(choice.token_ids) for out in finals for choice in out.outputs)
+    completion_tokens = 0 if score_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -200,11 +201,30 @@ def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 
 @dataclasses.dataclass
+class PromptPart:
+    """The prompt a completions choice repeats first (echo) and its tokens' logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None  # None at position 0; None overall = not asked
+    ranks: list[int | None] | None
+
+
+def prompt_part(text: str, output: RequestOutput) -> PromptPart:
+    return PromptPart(text, list(output.prompt_token_ids), output.prompt_logprobs, output.prompt_token_ranks)
+
+
+@dataclasses.dataclass
 class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    prompt: PromptPart | None = None  # on a choice's first delta, when the endpoint repeats the prompt
+
+    def without_output(self) -> Delta:
+        """Scoring only: the one token the engine had to run is not the client's."""
+        return Delta("", [], [] if self.logprobs is not None else None, "length", self.prompt)
 
 
 @dataclasses.dataclass
@@ -214,9 +234,11 @@ class Cursor:
     chars: int = 0
     tokens: int = 0
     finished: bool = False
+    started: bool = False  # a delta was sent
 
-    def advance(self, choice: CompletionOutput) -> Delta | None:
-        """What is new in this cumulative snapshot, or None when nothing is."""
+    def advance(self, choice: CompletionOutput, prompt: PromptPart | None = None) -> Delta | None:
+        """What is new in this cumulative snapshot, or None when nothing is; the first delta carries
+        `prompt`."""
         text = choice.text[self.chars :] if len(choice.text) > self.chars else ""
         token_ids = choice.token_ids[self.tokens :]
         logprobs = choice.logprobs[self.tokens :] if choice.logprobs is not None else None
@@ -227,4 +249,5 @@ class Cursor:
         self.chars = max(self.chars, len(choice.text))
         self.tokens = len(choice.token_ids)
         self.finished = choice.finished
-        return Delta(text, token_ids, logprobs, reason)
+        first, self.started = not self.started, True
+        return Delta(text, token_ids, logprobs, reason, prompt if first else None)

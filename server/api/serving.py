@@ -9,16 +9,26 @@ import contextlib
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from pagoda.server.api import sse
-from pagoda.server.api.generation import Cursor, Delta, check_prompt, generate_all, usage, validate_params
+from pagoda.server.api.generation import (
+    Cursor,
+    Delta,
+    PromptPart,
+    check_prompt,
+    generate_all,
+    prompt_part,
+    usage,
+    validate_params,
+)
 from pagoda.server.protocol import APIError, GenerationRequest
 
 if TYPE_CHECKING:
     from pagoda.server.api.state import ServerState
-    from pagoda.server.engine.outputs import RequestOutput
+    from pagoda.server.engine.outputs import CompletionOutput, RequestOutput
 
 
 class Formatter(Protocol):
@@ -47,11 +57,17 @@ async def serve_generation(
     ids: ResponseIds,
     formatter: Formatter,
     usage_object: str,
+    prompt_texts: list[str] | None = None,
 ) -> web.StreamResponse:
+    """`prompt_texts`: each choice's first delta carries its prompt (text, tokens, their logprobs)."""
     params = [check_prompt(state, prompt, req.params, req.max_tokens_given) for prompt in prompts]
     for prompt_params in params:
         validate_params(prompt_params)
-    n = req.params.n
+    n = req.n
+
+    def part(index: int, output: RequestOutput) -> PromptPart | None:
+        return prompt_part(prompt_texts[index], output) if prompt_texts is not None else None
+
     events = generate_all(state, prompts, params, ids.id)
     async with contextlib.aclosing(events):
         if not req.stream:
@@ -59,13 +75,20 @@ async def serve_generation(
             async for index, output in events:
                 finals[index] = output
             ordered = [finals[i] for i in range(len(prompts))]
-            choices = [
-                (i * n + choice.index, Cursor().advance(choice) or Delta("", [], [], "stop"))
-                for i, final in enumerate(ordered)
-                for choice in final.outputs
-            ]
-            return web.json_response(formatter.response(choices, usage(ordered)))
-        return await _stream(request, events, n, formatter, ids, usage_object if req.include_usage else None)
+            choices = []
+            for i, final in enumerate(ordered):
+                for rank, choice in enumerate(best_choices(final.outputs, n)):
+                    delta = Cursor().advance(choice, part(i, final)) or Delta("", [], [], "stop", part(i, final))
+                    choices.append((i * n + rank, delta.without_output() if req.score_only else delta))
+            return web.json_response(formatter.response(choices, usage(ordered, req.score_only)))
+        return await _stream(request, events, n, formatter, ids, usage_object if req.include_usage else None, part)
+
+
+def best_choices(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of > n: the n with the highest cumulative logprob; otherwise all, in order."""
+    if len(outputs) <= n:
+        return sorted(outputs, key=lambda c: c.index)
+    return sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
 
 
 async def _stream(
@@ -75,6 +98,7 @@ async def _stream(
     formatter: Formatter,
     ids: ResponseIds,
     usage_object: str | None,
+    part: Callable[[int, RequestOutput], PromptPart | None],
 ) -> web.StreamResponse:
     # The first snapshot comes before the headers, so a request the engine refuses is still a 4xx.
     first = await anext(events)
@@ -87,7 +111,8 @@ async def _stream(
         finals[index] = output
         for choice in output.outputs:
             choice_index = index * n + choice.index
-            delta = cursors[choice_index].advance(choice)
+            cursor = cursors[choice_index]
+            delta = cursor.advance(choice, None if cursor.started else part(index, output))
             if delta is None:
                 continue
             for chunk in formatter.stream_chunks(choice_index, delta, choice_index not in started):

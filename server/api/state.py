@@ -30,6 +30,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
     kv_usage_target: float = 0.7  # the autoscaler's targetKVCacheUsage, drawn on the /kv page
+    vllm_compatible_metrics: bool = False  # /metrics also under vLLM's names (server/vllm_metrics.py)
 
 
 class ServerState:
@@ -48,7 +49,7 @@ class ServerState:
 
     def attach_engine(self, engine: AsyncLLMEngine) -> None:
         self.model_name = self.config.served_model_name or engine.model_name
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, self.config.vllm_compatible_metrics)
         self.metrics.attach(engine.stats)
         self.engine = engine
 

@@ -108,14 +108,14 @@ class EngineArgs:
         group.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
-            default=_env_bool(env("enable-prefix-caching", None), True),
+            default=env_bool(env("enable-prefix-caching", None), True),
             help="reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching turns it off)",
         )
         group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         group.add_argument(
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
-            default=_env_bool(env("enable-chunked-prefill", None), True),
+            default=env_bool(env("enable-chunked-prefill", None), True),
             help="prefill long prompts in chunks within the per-step token budget",
         )
         return parser
@@ -127,7 +127,7 @@ class EngineArgs:
         return cls(**values)
 
 
-def _env_bool(value: str | None, default: bool) -> bool:
+def env_bool(value: str | None, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")

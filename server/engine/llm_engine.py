@@ -11,6 +11,7 @@ import os
 import time
 
 import torch
+from pagoda.server.engine import prompt_logprobs
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.config import EngineArgs
@@ -149,6 +150,8 @@ class LLMEngine:
                 f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len}"
             )
+        if any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
         if params.num_seqs > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n: {params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
@@ -233,6 +236,7 @@ class LLMEngine:
         shape, started = shape_of(out), time.perf_counter()
         logits, sampled = self.runner.execute(out)
         self.roofline.observe(shape, len(sampled), len(out.block_copies), time.perf_counter() - started)
+        prompt_logprobs.record(out.prompt_scores)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagoda.server.engine.attention_metadata import AttentionMetadata
+from pagoda.server.engine.prompt_logprobs import score_prompt_tokens
 from pagoda.server.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ class ModelRunner:
         prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        out.prompt_scores = score_prompt_tokens(self.model, hidden, out)  # [] unless a request asks
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not its launch
         self.timings.prepare_s += prepared - started

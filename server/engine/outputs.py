@@ -40,6 +40,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: per prompt token {token: logprob, + top-k}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # rank of each prompt token (1 = likeliest)
 
 
 @dataclass

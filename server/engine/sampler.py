@@ -48,6 +48,12 @@ def apply_penalties(
             line -= p.presence_penalty * (counts > 0).to(line.dtype)
 
 
+def apply_logit_bias(line: torch.Tensor, bias: dict[int, float]) -> None:
+    """In place, OpenAI semantics: each value is added to its token's logit (±100 bans or forces it)."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=line.device)
+    line[ids] += torch.tensor(list(bias.values()), dtype=line.dtype, device=line.device)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -74,15 +80,19 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if penalty_rows or bias_rows:
+            logits = logits.clone()  # the raw logits still give the returned logprobs
         if penalty_rows:
             assert token_lists is not None
-            logits = logits.clone()
             apply_penalties(
                 logits,
                 penalty_rows,
                 [params[i] for i in penalty_rows],
                 [token_lists[i] for i in penalty_rows],
             )
+        for i in bias_rows:
+            apply_logit_bias(logits[i], params[i].logit_bias)
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 # Upper bound on `logprobs` (top-k log-probabilities returned per output token), as in vLLM.
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 _EPS = 1e-5  # temperatures below this are treated as greedy
 
 
@@ -29,6 +30,10 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None  # beam search: beam width (defaults to n)
     length_penalty: float = 1.0  # beam search: score = cumulative logprob / length**length_penalty
+    # Log-probabilities of the prompt tokens (top-k per position, the first token has none); None = off.
+    # Such requests skip the prefix cache: every position they ask about is run.
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before choosing
     # Normalised forms, filled by __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -96,6 +101,23 @@ class SamplingParams:
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+            )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(
+                isinstance(token_id, int) and token_id >= 0,
+                "logit_bias",
+                f"keys must be non-negative token ids, got {token_id!r}",
+            )
+            _check(
+                isinstance(bias, (int, float)) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}",
             )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.prompt_logprobs import PromptScores, cacheable_prompt_tokens
 from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
 
 
@@ -39,6 +40,8 @@ class SchedulerOutput:
     num_preempted: int = 0
     # Requests dropped because the whole pool cannot hold them (their blocks are already freed).
     unservable: list[Request] = field(default_factory=list)
+    # Filled by the runner: prompt-token logprobs of requests that ask (engine/prompt_logprobs.py).
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -169,6 +172,9 @@ class Scheduler:
             admitted = False
             for seq in request.live_seqs():
                 hits = bm.match_prefix(seq) if not seq.block_table else []
+                limit = cacheable_prompt_tokens(request)
+                if limit is not None:  # cached positions would never be scored
+                    hits = hits[: limit // bm.block_size]
                 start = len(hits) * bm.block_size if hits else seq.num_computed_tokens
                 remaining = seq.num_tokens - start
                 num_new = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)

@@ -101,6 +101,11 @@ class Request:
         self.beam_improvable = True  # beam search: can running beams still beat the finished ones?
         self.pending_beam_logits: dict[int, torch.Tensor] = {}  # beam search: beam index -> its logits
         self.aborted = False
+        # prompt_logprobs: per prompt position {its token: logprob, + top-k} (None for the first) and
+        # its token's rank; filled chunk by chunk (engine/prompt_logprobs.py).
+        wants_prompt = params.prompt_logprobs is not None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if wants_prompt else None
+        self.prompt_token_ranks: list[int | None] | None = [None] if wants_prompt else None
 
     @property
     def num_seats(self) -> int:
@@ -144,4 +149,6 @@ class Request:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_token_ranks=list(self.prompt_token_ranks) if self.prompt_token_ranks is not None else None,
         )

@@ -240,6 +240,22 @@ async def test_disabled_never_touches_replicas_but_reports_kv(
     assert not any(r.subresource == "scale" and r.action == kmock.action.UPDATE for r in list(k8s))
 
 
+async def test_no_autoscaler_switch_leaves_replicas_to_keda(k8s: KubeEmulator, fake_pods: FakePodFarm,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pagoda operator --no-autoscaler`: even an object asking for the built-in autoscaler is not scaled
+    (KEDA or an HPA owns spec.replicas), one Warning says so, and kvCache is still reported."""
+    monkeypatch.setattr(handlers.SWITCH, "enabled", False)
+    full = await fake_pods.start(metrics_text(kv=1.0, waiting=40))
+    await create_isvc(k8s, replicas=1, autoscaling=AUTOSCALING)
+    await add_pod(k8s, "llm-0", full)
+    async with running_operator(k8s):
+        await eventually(lambda: isvc(k8s)["status"]["kvCache"]["usage"] == 1.0)
+        await asyncio.sleep(60)  # four more rounds, each of which would scale up
+    assert replicas(k8s) == 1
+    assert not any(r.subresource == "scale" and r.action == kmock.action.UPDATE for r in list(k8s))
+    assert [e["reason"] for e in events(k8s)].count("AutoscalerOff") == 1
+
+
 async def test_restarted_operator_remembers_the_window(k8s: KubeEmulator, fake_pods: FakePodFarm) -> None:
     """Recommendations mirrored in status survive a restart: no scale-down before the window passes."""
     loop = asyncio.get_running_loop()

@@ -18,25 +18,15 @@ import celpy
 import jsonschema
 from pagoda.operator import crd
 
-FORBIDDEN_IN_STRUCTURAL = {
-    "$ref",
-    "definitions",
-    "dependencies",
-    "additionalItems",
-    "patternProperties",
-    "id",
-    "$schema",
-}
+FORBIDDEN_IN_STRUCTURAL = {"$ref", "definitions", "dependencies", "additionalItems", "patternProperties",
+                           "id", "$schema"}
 
 
 def strict(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with `additionalProperties: false` wherever unknown fields would be pruned."""
     node = copy.deepcopy(schema)
-    if (
-        node.get("type") == "object"
-        and "properties" in node
-        and not node.get("x-kubernetes-preserve-unknown-fields")
-    ):
+    if node.get("type") == "object" and "properties" in node and not node.get(
+            "x-kubernetes-preserve-unknown-fields"):
         node.setdefault("additionalProperties", False)
         node["properties"] = {k: strict(v) for k, v in node["properties"].items()}
     if isinstance(node.get("items"), dict):
@@ -64,12 +54,12 @@ def _rule_sites(schema: dict[str, Any], value: Any, where: str) -> Iterator[tupl
 _ENV = celpy.Environment()
 
 
-def cel_errors(spec: dict[str, Any]) -> list[str]:
-    """Every CEL rule of spec's schema that the defaulted spec breaks, as '<path>: <message>'."""
+def cel_errors(spec: dict[str, Any], spec_schema: dict[str, Any] | None = None) -> list[str]:
+    """Every CEL rule of spec's schema (default: the InferenceService's) that the defaulted spec breaks,
+    as '<path>: <message>'."""
+    spec_schema = crd.schema()["properties"]["spec"] if spec_schema is None else spec_schema
     errors = []
-    for where, rule, value in _rule_sites(
-        crd.schema()["properties"]["spec"], crd.with_defaults(spec), "spec"
-    ):
+    for where, rule, value in _rule_sites(spec_schema, crd.with_defaults(spec, spec_schema), "spec"):
         program = _ENV.program(_ENV.compile(rule["rule"]))
         result = program.evaluate({"self": celpy.json_to_cel(value)})
         if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):  # False or an eval error
@@ -80,6 +70,13 @@ def cel_errors(spec: dict[str, Any]) -> list[str]:
 def admission_errors(obj: dict[str, Any]) -> list[str]:
     """Schema errors first; CEL runs only on schema-valid objects (as the API server does)."""
     return schema_errors(obj) or cel_errors(obj.get("spec", {}))
+
+
+def foreign_admission_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """The same checks against another resource's schema (one written from its published CRD)."""
+    validator = jsonschema.Draft7Validator(strict(schema))
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+    return errors or cel_errors(obj.get("spec", {}), schema["properties"]["spec"])
 
 
 def all_rules(schema: dict[str, Any] | None = None) -> Iterator[str]:
@@ -95,9 +92,8 @@ def all_rules(schema: dict[str, Any] | None = None) -> Iterator[str]:
 def structural_problems(node: dict[str, Any], where: str = "") -> list[str]:
     """Kubernetes' structural-schema rules (apiextensions: "Specifying a structural schema")."""
     problems = []
-    if "type" not in node and not (
-        node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
-    ):
+    if "type" not in node and not (node.get("x-kubernetes-int-or-string")
+                                   or node.get("x-kubernetes-preserve-unknown-fields")):
         problems.append(f"{where or '<root>'}: no type")
     if "properties" in node and "additionalProperties" in node:
         problems.append(f"{where}: properties and additionalProperties together")

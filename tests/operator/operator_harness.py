@@ -26,48 +26,32 @@ from support.kube_emulator import declare_builtin_resources, declare_crd
 NS = "ml"
 CR = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
 CR_URL = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/{crd.PLURAL}"
-DEP, SVC, PVC, PDB, SM = (
-    "apps/v1/deployments",
-    "v1/services",
-    "v1/persistentvolumeclaims",
-    "policy/v1/poddisruptionbudgets",
-    "monitoring.coreos.com/v1/servicemonitors",
-)
+DEP, SVC, PVC, PDB, SM = ("apps/v1/deployments", "v1/services", "v1/persistentvolumeclaims",
+                          "policy/v1/poddisruptionbudgets", "monitoring.coreos.com/v1/servicemonitors")
+POOL = "inference.networking.k8s.io/v1/inferencepools"
 PODS_URL = f"/api/v1/namespaces/{NS}/pods"
 PEERING = "pagoda"
 TEST_IMAGE = "registry.test/pagoda-server:test"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
-def prepare_cluster(
-    k8s: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: Any, *, service_monitors: bool = True
-) -> None:
+def prepare_cluster(k8s: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: Any, *,
+                    service_monitors: bool = True, inference_pools: bool = True) -> None:
     """Declare resources, the namespace and the peering object; point kopf's login at the emulator."""
-    declare_builtin_resources(k8s, service_monitors=service_monitors)
+    declare_builtin_resources(k8s, service_monitors=service_monitors, inference_pools=inference_pools)
     declare_crd(k8s, crd.crd())
-    k8s.objects["v1/namespaces", None, NS] = {
-        "apiVersion": "v1",
-        "kind": "Namespace",
-        "metadata": {"name": NS, "uid": "ns-uid"},
-    }
+    k8s.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace",
+                                              "metadata": {"name": NS, "uid": "ns-uid"}}
     k8s.objects["kopf.dev/v1/clusterkopfpeerings", None, PEERING] = {
-        "apiVersion": "kopf.dev/v1",
-        "kind": "ClusterKopfPeering",
-        "metadata": {"name": PEERING, "uid": "peering-uid", "resourceVersion": "1"},
-    }
+        "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+        "metadata": {"name": PEERING, "uid": "peering-uid", "resourceVersion": "1"}}
     k8s.objects["kopf.dev/v1/kopfpeerings", NS, PEERING] = {
-        "apiVersion": "kopf.dev/v1",
-        "kind": "KopfPeering",
-        "metadata": {"name": PEERING, "namespace": NS, "uid": "ns-peering-uid", "resourceVersion": "1"},
-    }
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": str(k8s.url).rstrip("/")}}],
-        "users": [{"name": "operator", "user": {}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "operator"}}],
-    }
+        "apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+        "metadata": {"name": PEERING, "namespace": NS, "uid": "ns-peering-uid", "resourceVersion": "1"}}
+    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+                  "clusters": [{"name": "emulator", "cluster": {"server": str(k8s.url).rstrip("/")}}],
+                  "users": [{"name": "operator", "user": {}}],
+                  "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "operator"}}]}
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(kubeconfig))
     monkeypatch.setenv("KUBECONFIG", str(path))
@@ -108,14 +92,9 @@ async def settled(k8s: kmock.KubernetesEmulator, quiet: float = 0.3, timeout: fl
 
 
 @contextlib.asynccontextmanager
-async def running_operator(
-    k8s: kmock.KubernetesEmulator,
-    namespaces: list[str] | None = None,
-    liveness: str | None = None,
-    identity: str = "operator-0",
-    priority: int = 0,
-    peering: str | None = PEERING,
-) -> AsyncIterator[None]:
+async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] | None = None,
+                           liveness: str | None = None, identity: str = "operator-0",
+                           priority: int = 0, peering: str | None = PEERING) -> AsyncIterator[None]:
     """The operator as `pagoda operator --all-namespaces --peering=pagoda` runs it (or with
     `--namespace=NS` for each of `namespaces`; `peering=None`: `--standalone`), in its own thread.
 
@@ -127,19 +106,11 @@ async def running_operator(
 
     def run() -> None:
         try:
-            asyncio.run(
-                kopf.operator(
-                    clusterwide=not namespaces,
-                    namespaces=namespaces or (),
-                    peering_name=peering,
-                    standalone=peering is None,
-                    liveness_endpoint=liveness,
-                    identity=Identity(identity),
-                    priority=priority,
-                    stop_flag=stop,
-                    ready_flag=ready,
-                )
-            )
+            asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
+                                      peering_name=peering, standalone=peering is None,
+                                      liveness_endpoint=liveness,
+                                      identity=Identity(identity), priority=priority,
+                                      stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)
 
@@ -147,12 +118,8 @@ async def running_operator(
     thread.start()
     try:
         assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
-        await eventually(
-            lambda: any(
-                r.action == kmock.action.WATCH and r.resource == kmock.resource(CR) for r in list(k8s)
-            ),
-            what="the operator watching InferenceServices",
-        )
+        await eventually(lambda: any(r.action == kmock.action.WATCH and r.resource == kmock.resource(CR)
+                                     for r in list(k8s)), what="the operator watching InferenceServices")
         yield
         await settled(k8s)
     finally:
@@ -163,12 +130,8 @@ async def running_operator(
 
 
 def isvc(name: str = "llm", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {"model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, **spec},
-    }
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name, "namespace": NS},
+            "spec": {"model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, **spec}}
 
 
 def live(k8s: kmock.KubernetesEmulator, resource: str, name: str) -> dict[str, Any]:
@@ -200,28 +163,19 @@ async def patch(k8s: kmock.KubernetesEmulator, url: str, body: dict[str, Any]) -
     return await resp.json()
 
 
-def server_pod(
-    owner: dict[str, Any], name: str, container_status: dict[str, Any], phase: str = "Running"
-) -> dict[str, Any]:
+def server_pod(owner: dict[str, Any], name: str, container_status: dict[str, Any],
+               phase: str = "Running") -> dict[str, Any]:
     """A serving pod as the Deployment controller + kubelet would leave it (labels from the template)."""
     dep_template = owner["spec"]["template"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": dep_template["metadata"]["labels"]},
-        "spec": {"containers": [{"name": "server", "image": TEST_IMAGE}]},
-        "status": {
-            "phase": phase,
-            "containerStatuses": [{"name": "server", "restartCount": 0, **container_status}],
-        },
-    }
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": dep_template["metadata"]["labels"]},
+            "spec": {"containers": [{"name": "server", "image": TEST_IMAGE}]},
+            "status": {"phase": phase,
+                       "containerStatuses": [{"name": "server", "restartCount": 0, **container_status}]}}
 
 
 async def set_deployment_status(k8s: kmock.KubernetesEmulator, name: str, **counts: int) -> None:
     """What the Deployment controller reports once it has seen the current generation."""
     generation = live(k8s, DEP, name)["metadata"]["generation"]
-    await patch(
-        k8s,
-        f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/status",
-        {"status": {"observedGeneration": generation, **counts}},
-    )
+    await patch(k8s, f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/status",
+                {"status": {"observedGeneration": generation, **counts}})

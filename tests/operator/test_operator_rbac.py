@@ -22,6 +22,7 @@ from operator_harness import (
     PDB,
     PEERING,
     PODS_URL,
+    POOL,
     SM,
     condition,
     create,
@@ -98,6 +99,10 @@ async def lifecycle(k8s, namespaces: list[str] | None, peering: str | None) -> N
         await eventually(lambda: any(e["reason"] == "CrashLoopBackOff" for e in events(k8s)), what="event")
         await patch(k8s, f"{CR_URL}/llm", {"spec": {"monitoring": {"serviceMonitor": False}}})
         await eventually(lambda: k8s.objects[SM, NS, "llm"].deleted)
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"routing": {"inferencePool": {"enabled": True}}}})
+        await eventually(lambda: live(k8s, POOL, "llm"))
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"routing": {"inferencePool": {"enabled": False}}}})
+        await eventually(lambda: k8s.objects[POOL, NS, "llm"].deleted)
     async with running_operator(k8s, namespaces, peering=peering):
         await eventually(lambda: live(k8s, DEP, "llm"))
 

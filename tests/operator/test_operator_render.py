@@ -13,6 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from crd_validation import foreign_admission_errors
 from pagoda.operator import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,14 +21,16 @@ GOLDEN = Path(__file__).parent / "golden"
 K8S_VERSION = kubernetes_validate.latest_version()
 OWNER = render.Owner(name="llm", namespace="ml", uid="0a1b2c3d-0000-4000-8000-000000000001")
 IMAGE = "ghcr.io/pagoda-dev/pagoda-server:0.1.0"
+INFERENCE_POOL_SCHEMA = yaml.safe_load((Path(__file__).parent / "schemas" / "inferencepool-v1.yaml").read_text())
 
 
 def example_spec(name: str) -> dict:
     return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())["spec"]
 
 
-def rendered(spec: dict, monitors: bool = True) -> render.Desired:
-    return render.render(OWNER, spec, default_image=IMAGE, service_monitors_served=monitors)
+def rendered(spec: dict, monitors: bool = True, pools: bool = False) -> render.Desired:
+    return render.render(OWNER, spec, default_image=IMAGE, service_monitors_served=monitors,
+                         inference_pools_served=pools)
 
 
 def by_kind(desired: render.Desired) -> dict[str, dict]:
@@ -42,9 +45,9 @@ def env(obj: dict) -> dict[str, dict]:
     return {e["name"]: e for e in server(obj)["env"]}
 
 
-@pytest.mark.parametrize("name", ["minimal", "full"])
+@pytest.mark.parametrize("name", ["minimal", "full", "inference-pool"])
 def test_golden(name):
-    desired = rendered(example_spec(name))
+    desired = rendered(example_spec(name), pools=True)
     text = yaml.safe_dump_all(desired.objects, sort_keys=True, width=110)
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("PAGODA_REGEN_GOLDEN"):
@@ -58,7 +61,13 @@ EXAMPLE_NAMES = sorted(p.stem for p in (ROOT / "examples").glob("*.yaml"))
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
 def test_every_rendered_object_is_valid_kubernetes(name):
-    for obj in rendered(example_spec(name)).objects:
+    for obj in rendered(example_spec(name), pools=True).objects:
+        if obj["kind"] == "InferencePool":  # its own schema, written from the published CRD
+            assert foreign_admission_errors(obj, INFERENCE_POOL_SCHEMA) == []
+            carrier = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": obj["metadata"],
+                       "spec": {"selector": obj["spec"]["selector"]}}
+            kubernetes_validate.validate(carrier, K8S_VERSION, strict=True)
+            continue
         if obj["kind"] == "ServiceMonitor":
             # No schema for Prometheus Operator CRDs here: validate its core-typed parts (ObjectMeta,
             # LabelSelector) by carrying them in a PodDisruptionBudget, which has both.

@@ -48,56 +48,36 @@ VERBS = {"get", "list", "watch", "create", "patch", "update", "delete", "deletec
 
 # Built-in resources an operator usually touches: key = "group/version/plural" (core: "v1/plural").
 BUILTIN_RESOURCES: dict[str, kmock.ResourceInfo] = {
-    "v1/namespaces": kmock.ResourceInfo(
-        kind="Namespace", singular="namespace", namespaced=False, verbs=VERBS
-    ),
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False, verbs=VERBS),
     "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs=VERBS),
-    "v1/pods": kmock.ResourceInfo(
-        kind="Pod", singular="pod", namespaced=True, verbs=VERBS, subresources={"status"}
-    ),
-    "v1/services": kmock.ResourceInfo(
-        kind="Service", singular="service", namespaced=True, verbs=VERBS, subresources={"status"}
-    ),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", singular="pod", namespaced=True, verbs=VERBS,
+                                  subresources={"status"}),
+    "v1/services": kmock.ResourceInfo(kind="Service", singular="service", namespaced=True, verbs=VERBS,
+                                      subresources={"status"}),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", singular="secret", namespaced=True, verbs=VERBS),
-    "v1/persistentvolumeclaims": kmock.ResourceInfo(
-        kind="PersistentVolumeClaim",
-        singular="persistentvolumeclaim",
-        namespaced=True,
-        verbs=VERBS,
-        subresources={"status"},
-    ),
-    "apps/v1/deployments": kmock.ResourceInfo(
-        kind="Deployment",
-        singular="deployment",
-        namespaced=True,
-        verbs=VERBS,
-        subresources={"status", "scale"},
-    ),
-    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
-        kind="PodDisruptionBudget",
-        singular="poddisruptionbudget",
-        namespaced=True,
-        verbs=VERBS,
-        subresources={"status"},
-    ),
+    "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim",
+                                                    singular="persistentvolumeclaim", namespaced=True,
+                                                    verbs=VERBS, subresources={"status"}),
+    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", singular="deployment", namespaced=True,
+                                              verbs=VERBS, subresources={"status", "scale"}),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget",
+                                                         singular="poddisruptionbudget", namespaced=True,
+                                                         verbs=VERBS, subresources={"status"}),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition",
-        singular="customresourcedefinition",
-        namespaced=False,
-        verbs=VERBS,
-        subresources={"status"},
-    ),
-    "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(
-        kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False, verbs=VERBS
-    ),
-    "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(
-        kind="KopfPeering", singular="kopfpeering", namespaced=True, verbs=VERBS
-    ),
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=VERBS,
+        subresources={"status"}),
+    "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(kind="ClusterKopfPeering",
+                                                          singular="clusterkopfpeering",
+                                                          namespaced=False, verbs=VERBS),
+    "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", singular="kopfpeering",
+                                                   namespaced=True, verbs=VERBS),
 }
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
-SERVICE_MONITOR_INFO = kmock.ResourceInfo(
-    kind="ServiceMonitor", singular="servicemonitor", namespaced=True, verbs=VERBS
-)
+SERVICE_MONITOR_INFO = kmock.ResourceInfo(kind="ServiceMonitor", singular="servicemonitor",
+                                          namespaced=True, verbs=VERBS)
+INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+INFERENCE_POOL_INFO = kmock.ResourceInfo(kind="InferencePool", singular="inferencepool",
+                                         namespaced=True, verbs=VERBS, shortnames={"infpool"})
 
 
 def _parse_path_with_namespaces(path: str) -> parsing.ParsedPath:
@@ -113,12 +93,16 @@ _kmock_parse_path = parsing.parse_path
 parsing.parse_path = _parse_path_with_namespaces
 
 
-def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False) -> None:
-    """Declare the built-in resources (kopf starts no watch on undeclared ones)."""
+def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False,
+                              inference_pools: bool = False) -> None:
+    """Declare the built-in resources (kopf starts no watch on undeclared ones), and optionally the
+    CRD-defined kinds the operator looks for (ServiceMonitor, InferencePool)."""
     for key, info in BUILTIN_RESOURCES.items():
         emulator.resources[key] = attrs.evolve(info)
     if service_monitors:
         emulator.resources[SERVICE_MONITORS] = attrs.evolve(SERVICE_MONITOR_INFO)
+    if inference_pools:
+        emulator.resources[INFERENCE_POOLS] = attrs.evolve(INFERENCE_POOL_INFO)
 
 
 def declare_crd(emulator: kmock.KubernetesEmulator, crd: Mapping[str, Any]) -> str:
@@ -128,14 +112,10 @@ def declare_crd(emulator: kmock.KubernetesEmulator, crd: Mapping[str, Any]) -> s
     for version in spec["versions"]:
         key = f"{spec['group']}/{version['name']}/{names['plural']}"
         emulator.resources[key] = kmock.ResourceInfo(
-            kind=names["kind"],
-            singular=names.get("singular", names["kind"].lower()),
-            namespaced=spec["scope"] == "Namespaced",
-            verbs=VERBS,
-            shortnames=set(names.get("shortNames", [])),
-            categories=set(names.get("categories", [])),
-            subresources=set(version.get("subresources", {})),
-        )
+            kind=names["kind"], singular=names.get("singular", names["kind"].lower()),
+            namespaced=spec["scope"] == "Namespaced", verbs=VERBS,
+            shortnames=set(names.get("shortNames", [])), categories=set(names.get("categories", [])),
+            subresources=set(version.get("subresources", {})))
         if version.get("storage"):
             storage_key = key
     return storage_key
@@ -232,14 +212,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if not manager:
                     raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
                 if self._stored(request) is None:  # apply creates
-                    self._applied[request.resource, request.namespace, request.name, manager] = copy.deepcopy(
-                        request.data
-                    )
-                    _rewrite(
-                        request,
-                        action=kmock.action.CREATE,
-                        data=self._stamp_new(copy.deepcopy(request.data), request.namespace),
-                    )
+                    self._applied[request.resource, request.namespace, request.name, manager] = \
+                        copy.deepcopy(request.data)
+                    _rewrite(request, action=kmock.action.CREATE,
+                             data=self._stamp_new(copy.deepcopy(request.data), request.namespace))
                     return await super()._handle(request)
                 _rewrite(request, data=self._apply_as_merge(request, manager))
             stored = self._stored(request)
@@ -321,16 +297,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         """Delete (in the background, as the real GC) every object whose owners are all gone."""
         async with self._lock:
             while True:
-                live_uids = {
-                    obj.raw.get("metadata", {}).get("uid") for obj in self.objects.values() if not obj.deleted
-                }
-                orphans = [
-                    (key, obj)
-                    for key, obj in self.objects.items()
-                    if not obj.deleted
-                    and (owners := obj.raw.get("metadata", {}).get("ownerReferences"))
-                    and not any(owner.get("uid") in live_uids for owner in owners)
-                ]
+                live_uids = {obj.raw.get("metadata", {}).get("uid")
+                             for obj in self.objects.values() if not obj.deleted}
+                orphans = [(key, obj) for key, obj in self.objects.items()
+                           if not obj.deleted and (owners := obj.raw.get("metadata", {}).get("ownerReferences"))
+                           and not any(owner.get("uid") in live_uids for owner in owners)]
                 if not orphans:
                     return
                 for (resource, _, _), obj in orphans:
@@ -344,11 +315,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         result["metadata"]["resourceVersion"] = str(self._last_rv)  # kmock answers "..."
         if selector := _selector_of(request):
-            result["items"] = [
-                item
-                for item in result["items"]
-                if labels_match(selector, item.get("metadata", {}).get("labels") or {})
-            ]
+            result["items"] = [item for item in result["items"]
+                               if labels_match(selector, item.get("metadata", {}).get("labels") or {})]
         return result
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
@@ -361,12 +329,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 yield event
                 continue
             meta = event.get("object", {}).get("metadata", {})
-            replayed = (
-                event.get("type") == "ADDED"
-                and since.isdigit()
-                and str(meta.get("resourceVersion", "")).isdigit()
-                and int(meta["resourceVersion"]) <= int(since)
-            )
+            replayed = (event.get("type") == "ADDED" and since.isdigit()
+                        and str(meta.get("resourceVersion", "")).isdigit()
+                        and int(meta["resourceVersion"]) <= int(since))
             if not replayed and (not selector or labels_match(selector, meta.get("labels") or {})):
                 yield event
 
@@ -394,13 +359,9 @@ def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
     if selector is None and (match_labels := spec.get("selector", {}).get("matchLabels")):
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
     return {
-        "apiVersion": "autoscaling/v1",
-        "kind": "Scale",
-        "metadata": {
-            k: meta[k]
-            for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
-            if k in meta
-        },
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                     if k in meta},
         "spec": {"replicas": spec.get("replicas", 0)},
         "status": {"replicas": status.get("replicas", 0), **({"selector": selector} if selector else {})},
     }
