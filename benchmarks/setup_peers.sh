@@ -10,6 +10,7 @@ peers=.peers
 mkdir -p "$peers"
 python=${PYTHON:-python3}
 constraints=$(realpath ../constraints.txt)
+LLAMA_CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16 -DCMAKE_CXX_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16"
 
 make_venv() {
   [ -x "$peers/$1/bin/python" ] || "$python" -m venv "$peers/$1"
@@ -20,9 +21,14 @@ if ! "$peers/transformers/bin/python" -c "import transformers.commands.serving" 
   make_venv transformers
   "$peers/transformers/bin/python" -m pip -q install -c "$constraints" "transformers[serving]" gguf
 fi
-if ! "$peers/llamacpp/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+# The default CPU build (what `pip install llama-cpp-python[server]` gives) except for AMX: on VMs that
+# list AMX in cpuinfo without the hypervisor enabling its tile state, its AMX kernels die of SIGILL
+# (seen here: tilezero in ggml_backend_amx_mul_mat, even after arch_prctl granted the permission).
+if ! "$peers/llamacpp/bin/python" -c "import llama_cpp.server" 2>/dev/null \
+  || [ "$(cat "$peers/llamacpp/.cmake_args" 2>/dev/null)" != "$LLAMA_CMAKE_ARGS" ]; then
   make_venv llamacpp
-  # The default CPU build: what a user who runs `pip install llama-cpp-python[server]` gets.
-  "$peers/llamacpp/bin/python" -m pip -q install "llama-cpp-python[server]"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "$peers/llamacpp/bin/python" -m pip -q install --force-reinstall \
+    --no-cache-dir "llama-cpp-python[server]"
+  echo "$LLAMA_CMAKE_ARGS" > "$peers/llamacpp/.cmake_args"
 fi
 echo "peers installed in benchmarks/$peers"

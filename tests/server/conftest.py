@@ -23,7 +23,9 @@ from pagoda.server.engine.config import EngineArgs
 from support.tiny_models import tiny_model_dir
 
 # A small pool (64 blocks x 16 tokens) so leaks and limits show quickly.
-TINY_ENGINE = {"block_size": 16, "num_blocks": 64, "max_num_seqs": 8, "max_model_len": 256}
+# float32: server answers are compared with fp32 offline runs and transformers (auto is bf16 on CPUs
+# with native bf16).
+TINY_ENGINE = {"block_size": 16, "num_blocks": 64, "max_num_seqs": 8, "max_model_len": 256, "dtype": "float32"}
 
 
 class ServerThread:
