@@ -30,6 +30,7 @@ class Target:
     endpoint: str = "completions"  # or "chat"
     api_key: str | None = None
     temperature: float = 0.0
+    ignore_eos: bool = True
 
     @property
     def url(self) -> str:
@@ -43,8 +44,9 @@ class Target:
             "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "ignore_eos": True,  # exact output lengths (vLLM and pagoda extension)
         }
+        if self.ignore_eos:  # exact output lengths (vLLM and pagoda extension; others may refuse it)
+            common["ignore_eos"] = True
         if self.endpoint == "chat":
             messages = [{"role": "user", "content": request.prompt_text}]
             return {**common, "messages": messages, "max_completion_tokens": request.output_len}
