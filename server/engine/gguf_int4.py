@@ -64,12 +64,13 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, dtype: torch.dtype) -
     cfg = model.cfg
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     modules = dict(model.named_modules())
+    by_module: dict[str, list[tuple[str | None, str]]] = {}  # our module -> its (shard, GGUF name)s
+    for gguf_name, (module_name, shard) in GGUF_LINEARS.items():
+        by_module.setdefault(module_name, []).append((shard, gguf_name))
     swapped = 0
     for layer in range(cfg.num_layers):
-        parts: dict[str, list[tuple[str | None, str]]] = {}
-        for gguf_name, (module_name, shard) in GGUF_LINEARS.items():
-            parts.setdefault(module_name, []).append((shard, f"blk.{layer}.{gguf_name}.weight"))
-        for module_name, shards in parts.items():
+        for module_name, parts in by_module.items():
+            shards = [(shard, f"blk.{layer}.{gguf_name}.weight") for shard, gguf_name in parts]
             found = [tensors.get(name) for _, name in shards]
             if any(t is None or t.tensor_type.name not in INT4_TYPES for t in found):
                 continue  # some part is not 4-bit in this file: the layer stays dense
