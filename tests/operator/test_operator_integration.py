@@ -87,10 +87,12 @@ async def test_create_makes_owned_children(k8s, caplog):
         assert "endpoint" not in status  # nothing serves yet
         # the token's Secret is referenced by the pod only: not in status, not in events
         assert "hf-secret" not in str(status) and "hf-secret" not in str(events(k8s))
-        assert "Handler 'reconcile' succeeded" in caplog.text  # the log was captured ...
-        assert "hf-secret" not in caplog.text  # ... and never names the Secret
-        assert (
-            REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) > successes
+        # the status patch lands before the handler returns: its log line and counter follow it
+        await eventually(lambda: "Handler 'reconcile' succeeded" in caplog.text, what="reconcile logged")
+        assert "hf-secret" not in caplog.text  # ... and the log never names the Secret
+        await eventually(
+            lambda: REGISTRY.get_sample_value("pagoda_operator_reconciles_total", {"result": "success"}) > successes,
+            what="reconcile counted",
         )
         assert (
             REGISTRY.get_sample_value("pagoda_operator_desired_replicas", {"namespace": NS, "name": "llm"})
