@@ -64,6 +64,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._died: asyncio.Future[BaseException] | None = None  # set when the step loop fails
 
     # ---- properties -------------------------------------------------------------------------------
     @property
@@ -92,6 +93,7 @@ class AsyncLLMEngine:
             return
         loop = asyncio.get_running_loop()
         built: asyncio.Future[None] = loop.create_future()
+        self._died = loop.create_future()
         self._thread = threading.Thread(
             target=self._run, args=(loop, built), name="pagoda-engine-loop", daemon=True
         )
@@ -102,6 +104,18 @@ class AsyncLLMEngine:
             await loop.run_in_executor(None, self._thread.join)
             self._thread = None
             raise
+
+    async def wait_dead(self) -> BaseException:
+        """Return the step loop's exception once it has failed (never returns on a healthy engine)."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
+
+    def _fail(self, error: BaseException) -> None:
+        """From another thread (a tensor-parallel worker died): the step loop raises `error`."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._wake.notify()
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -193,6 +207,9 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(built.set_exception, exc)
             return
         self._loaded = None  # the engine holds the model now
+        add_failure_listener = getattr(engine.runner, "add_failure_listener", None)
+        if add_failure_listener is not None:
+            add_failure_listener(self._fail)
         with self._lock:
             self._refresh_stats(alive=True)
         loop.call_soon_threadsafe(built.set_result, None)
@@ -201,7 +218,9 @@ class AsyncLLMEngine:
                 with self._lock:
                     was_idle = False
                     self._run_probes()
-                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
+                    while not (
+                        self._inbox or self._aborts or self._stopping or self._error or engine.has_unfinished()
+                    ):
                         self._refresh_stats(alive=True)
                         self._parked = True
                         self._wake.wait()
@@ -216,6 +235,8 @@ class AsyncLLMEngine:
                             self._parked = True
                             self._wake.wait(left)
                             self._parked = False
+                    if self._error is not None:
+                        raise self._error
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
@@ -243,7 +264,9 @@ class AsyncLLMEngine:
                 for stream in self._streams.values():
                     stream.put(exc)
                 self._streams.clear()
+            loop.call_soon_threadsafe(_settle, self._died, exc, None)
         finally:
+            engine.shutdown()
             with self._lock:
                 self._refresh_stats(alive=False)
                 self._run_probes()
