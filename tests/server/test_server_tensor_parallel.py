@@ -100,3 +100,45 @@ def _worker_pids() -> set[str]:
         except OSError:
             continue
     return pids
+
+
+@pytest.mark.slow
+def test_a_two_node_group_on_loopback_answers_like_one_rank(tmp_path, tmp_path_factory, monkeypatch):
+    """The LeaderWorkerSet layout on one machine: `pagoda serve --nnodes 2` (node 0, rank 0) and
+    `pagoda worker --node-rank 1` (rank 1) rendezvous at MASTER_ADDR:MASTER_PORT."""
+    import subprocess
+    import sys
+
+    from support.prometheus import free_port
+
+    model = tiny_model_dir("llama", tmp_path_factory)
+    offline = engine_reference(model)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    group = ["--tensor-parallel-size", "2", "--nnodes", "2"]
+    health_port = free_port()
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "pagoda.cli", "worker", "--model", str(model), *FLAGS, *group,
+             "--node-rank", "1", "--host", "127.0.0.1", "--port", str(health_port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        with pagoda_serve_process(model, [*FLAGS, *group], tmp_path / "leader.log") as (url, _):
+            text, logprobs = complete(url)
+            assert health(f"http://127.0.0.1:{health_port}") == 200
+        assert (text, logprobs) == (offline[0], pytest.approx(offline[1], abs=1e-5))
+        assert worker.wait(timeout=30) == 0  # the leader's stop reached the worker's rank
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def engine_reference(model: Path) -> tuple[str, list[float]]:
+    """What one rank answers (offline, the same sampling as `complete`)."""
+    from pagoda.server.engine.llm import LLM
+    from pagoda.server.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(model), device="cpu", dtype="float32", num_blocks=64, block_size=8, max_model_len=128)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=1)).pop().outputs[0]
+    return out.text, [entry[token] for entry, token in zip(out.logprobs, out.token_ids, strict=True)]
