@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.operator import crd
 from pagoda.operator import leaderworkerset as lws
 from pagoda.operator.render import (
     DOWNLOAD_CONTAINER,
@@ -244,6 +245,7 @@ def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, g
 
 def group_description(spec: Mapping[str, Any]) -> str:
     """One replica in words, for `kubectl get -o wide` (e.g. "2 nodes × 8 GPUs, TP 16")."""
+    spec = crd.with_defaults(dict(spec))
     nodes, gpus = lws.nodes(spec), int(spec["resources"]["gpus"])
     pods = f"{nodes} nodes × " if nodes > 1 else ""
     devices = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
