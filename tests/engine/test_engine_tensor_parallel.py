@@ -113,3 +113,30 @@ def test_n_beams_prefix_cache_and_preemption_under_two_ranks(tmp_path_factory):
     assert stats.prefix_cache_hits > 0
     assert stats.num_blocks_total == 11
     assert (stats.preemptions, stats.prefix_cache_hits) == (one[2].preemptions, one[2].prefix_cache_hits)
+
+
+def plan(capsys, *argv: str) -> dict[str, str]:
+    from pagoda.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+
+
+def test_plan_reports_the_group_capacity(capsys, tmp_path_factory):
+    """Two ranks on two GPUs of the same size hold twice the tokens (half the KV heads each); a KV
+    head that is replicated holds no more, and the CPU budget is the group's."""
+    folder = str(tiny_model_dir("llama", tmp_path_factory))
+    gpu = ["--model", folder, "--gpu-memory", "64MiB", "--dtype", "float32"]
+    one, two = plan(capsys, *gpu), plan(capsys, *gpu, "--tensor-parallel-size", "2")
+    assert int(one["KV cache"].split()[0].replace(",", "")) == 2 * int(
+        two["KV cache"].split()[0].replace(",", "")
+    )
+    tokens = [int(p["KV cache capacity"].split()[0].replace(",", "")) for p in (one, two)]
+    assert tokens[1] >= 2 * tokens[0] > 0  # and the weights per rank halve too
+    assert two["tensor parallelism"].startswith("2 ranks, 2 KV heads each")
+    mqa = str(tiny_model_dir("qwen2", tmp_path_factory, num_kv_heads=1))
+    cpu = ["--model", mqa, "--kv-cache-memory", "8MiB", "--dtype", "float32"]
+    one, two = plan(capsys, *cpu), plan(capsys, *cpu, "--tensor-parallel-size", "2")
+    assert two["KV cache"] == one["KV cache"]  # the one KV head is whole on each rank
+    half = int(one["KV cache capacity"].split()[0].replace(",", "")) // 2
+    assert int(two["KV cache capacity"].split()[0].replace(",", "")) == half

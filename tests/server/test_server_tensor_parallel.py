@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.pagoda_serve import pagoda_serve_process
+from support.pagoda_serve import metric_value, pagoda_serve_process
 from support.tiny_models import tiny_model_dir
 
 FLAGS = ["--dtype", "float32", "--num-blocks", "64", "--block-size", "8", "--max-model-len", "128"]
@@ -81,6 +81,10 @@ def test_health_is_503_once_a_worker_died(start_server):
     """The server in this process (it does not exit here): the watchdog fails the step loop."""
     server = start_server(tensor_parallel_size=2)
     assert health(server.url) == 200
+    stats = server.stats()  # the group's capacity: every rank holds its KV heads of the 64 blocks
+    assert (stats.tensor_parallel_size, stats.capacity_tokens) == (2, 64 * 16)
+    assert stats.kv_cache_bytes == 64 * 16 * 2 * 2 * 4 * 16 * 4  # blocks·tokens·K/V·layers·heads·dim·fp32
+    assert metric_value(server.url, "pagoda_tensor_parallel_size") == 2
     (worker,) = [pid for pid in children(os.getpid()) if f"{pid}" in _worker_pids()]
     os.kill(worker, signal.SIGKILL)
     deadline = time.monotonic() + 5
