@@ -14,6 +14,7 @@ import torch
 from pagoda.server.engine import prompt_logprobs
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.capacity import capacity_report
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
@@ -21,12 +22,11 @@ from pagoda.server.engine.device_peaks import device_peaks
 from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
-from pagoda.server.engine.plan_cli import capacity_report
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
-from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.sequence import Request, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(args.seed)
         self.beam_search = BeamSearch(self.block_manager)
+        self._stopped: list[Sequence] = []  # finished or pruned during a step, released after it
         self.requests: dict[str, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -169,13 +170,8 @@ class LLMEngine:
 
     def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
         """A request that can never fit in the pool, even alone, is refused up front."""
-        size, pool = self.block_manager.block_size, self.block_manager.num_blocks
-        width = params.num_seqs
-        tail = max_total - prompt_len
-        if width == 1:
-            needed = -(-max_total // size)
-        else:  # the prompt's blocks once, then each sequence's own tail plus a copied partial block
-            needed = -(-prompt_len // size) + width * (-(-tail // size) + 1)
+        pool, width, tail = self.block_manager.num_blocks, params.num_seqs, max_total - prompt_len
+        needed = self.block_manager.blocks_for_request(prompt_len, max_total, width)
         if needed > pool:
             raise ValueError(
                 f"prompt: this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
@@ -211,7 +207,7 @@ class LLMEngine:
     def _finish_aborted(self, request: Request) -> RequestOutput:
         """Mark a request whose blocks are already freed as aborted and forget it."""
         for seq in request.live_seqs():
-            seq.status = SequenceStatus.FINISHED
+            seq.finished = True
             seq.finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
@@ -241,6 +237,8 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
         touched = self._process(logits, sampled)
+        self.scheduler.release(self._stopped)  # sequences that finished or were pruned this step
+        self._stopped.clear()
         outputs = dropped
         now = time.monotonic()
         for request in touched:
@@ -308,8 +306,7 @@ class LLMEngine:
         """n > 1: after the prompt, the first sequence forks into n that share its blocks."""
         leader = request.seqs[0]
         for index in range(1, request.params.n):
-            child = leader.fork(index)
-            self.block_manager.fork(leader, child)
+            child = self.block_manager.fork(leader, index)
             if request.params.seed is not None:
                 child.generator = torch.Generator().manual_seed(
                     hash((request.params.seed, index)) & (2**62 - 1)
@@ -347,9 +344,9 @@ class LLMEngine:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.status = SequenceStatus.FINISHED
+        seq.finished = True
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.block_manager.free(seq)  # finished sequences leave at once
+        self._stopped.append(seq)  # its blocks go back at the end of this step
 
     def _beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
         now = time.monotonic()
@@ -358,7 +355,7 @@ class LLMEngine:
             self.prompt_tokens += request.seqs[0].prompt_len
         request.metrics.last_token_time = now
         self.generation_tokens += len(beams)
-        self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
+        self._stopped += self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
         request.forked = True
 
     # ---- introspection ------------------------------------------------------------------------------
