@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
+from pagoda.operator.autoscaling.collect import METRICS_PORT_ANNOTATION
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 from pagoda.server.protocol import APIError
 
 if TYPE_CHECKING:
