@@ -27,6 +27,7 @@ from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
 from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.step_histograms import StepHistograms
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
-        self._step_token_counts: list[int] = []
-        self.last_step_time: float | None = None
+        self.step_histograms = StepHistograms()
         for line in capacity_report(
             self.spec.bytes_per_token, args.block_size, num_blocks, self.max_model_len
         ):
@@ -235,7 +235,10 @@ class LLMEngine:
                 item.request.metrics.first_scheduled_time = now
         shape, started = shape_of(out), time.perf_counter()
         logits, sampled = self.runner.execute(out)
-        self.roofline.observe(shape, len(sampled), len(out.block_copies), time.perf_counter() - started)
+        roofline = self.roofline.observe(
+            shape, len(sampled), len(out.block_copies), time.perf_counter() - started
+        )
+        self.step_histograms.observe(out.num_tokens, roofline)
         prompt_logprobs.record(out.prompt_scores)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -251,8 +254,6 @@ class LLMEngine:
             outputs.append(request.to_output())
         self.scheduler.drop_finished()
         self.num_steps += 1
-        self._step_token_counts.append(out.num_tokens)
-        self.last_step_time = now
         return outputs
 
     def _process(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
@@ -363,8 +364,8 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """A plain read: gauges and cumulative counters (readers take differences)."""
         bm = self.block_manager
-        counts, self._step_token_counts = self._step_token_counts, []
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -381,16 +382,13 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
-            step_token_counts=counts,
-            last_step_time=self.last_step_time,
-            loop_alive=True,
+            step_histograms=self.step_histograms.copy(),
             **self._roofline_stats(),
         )
 
     def _roofline_stats(self) -> dict:
         meter = self.roofline
         return {
-            "step_rooflines": meter.take(),
             "step_bytes_total": meter.bytes_total,
             "step_flops_total": meter.flops_total,
             "step_seconds_total": meter.seconds_total,
