@@ -21,6 +21,7 @@ from pagoda.server.engine.device_peaks import device_peaks
 from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.engine.parallel.group import SINGLE
 from pagoda.server.engine.plan_cli import capacity_report
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
@@ -50,14 +51,36 @@ def resolve_device(device: str) -> torch.device:
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs, loaded=None) -> None:
         """`loaded`: an already loaded `LoadedModel` (tests share one across engines)."""
-        from pagoda.server.engine.loader import load_model
-
         self.engine_args = args = engine_args
         device = resolve_device(args.device)
+        tp_group = None
+        if args.tensor_parallel_size > 1 or args.nnodes > 1:
+            from pagoda.server.engine.parallel.executor import start_group
+
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size: each rank loads its own shard; pass no model")
+            tp_group = start_group(args, device)
+            args = tp_group.args
+        try:
+            self._build(args, device, loaded, tp_group)
+        except BaseException:
+            if tp_group is not None:  # the workers wait for commands that will never come
+                tp_group.abort()
+            raise
+
+    def _build(self, args: EngineArgs, device: torch.device, loaded, tp_group) -> None:
+        from pagoda.server.engine.loader import load_model
+
         if device.type == "cpu":
             set_cpu_threads(args.cpu_threads)
         if loaded is None:
-            loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
+            loaded = load_model(
+                args.model,
+                dtype=args.dtype,
+                device=device,
+                quantization=args.quantization,
+                tp=tp_group.tp if tp_group else SINGLE,
+            )
         self.loaded = loaded
         self.model_name: str = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -87,7 +110,12 @@ class LLMEngine:
         self.spec = KVCacheSpec(
             model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
         )
-        self.runner = ModelRunner(model, self.spec, loaded.device)
+        if tp_group is None:
+            self.runner = ModelRunner(model, self.spec, loaded.device)
+        else:
+            from pagoda.server.engine.parallel.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, self.spec, loaded.device, tp_group)
         num_blocks = args.num_blocks or self.runner.num_blocks_for_budget(
             args.kv_cache_memory, args.gpu_memory_utilization, batch_tokens
         )
@@ -219,6 +247,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a one-rank engine holds nothing to stop)."""
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
