@@ -55,7 +55,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.alive
 
     def stats(self) -> EngineStats | None:
         return self.metrics.read_stats() if self.metrics else None
