@@ -65,6 +65,10 @@ class RoundRobinFront:
                                                        data=body, headers=headers)
             except aiohttp.ClientConnectorError:
                 continue  # never reached the server: safe to try the next one
+            except aiohttp.ClientError as exc:  # reached it, and it died before answering: not retried
+                self.failures += 1
+                return aiohttp.web.json_response({"error": {"message": f"the backend failed: {exc}"}}, status=502,
+                                                 headers={BACKEND_HEADER: backend})
             self.requests_per_backend[backend] += 1
             async with upstream:
                 response = aiohttp.web.StreamResponse(status=upstream.status, headers={

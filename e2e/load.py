@@ -71,6 +71,7 @@ class Load:
             if not record.ok:
                 record.error = f"stream ended after {record.tokens} of {self.max_tokens} tokens"
         except openai.APIStatusError as exc:
+            record.backend = exc.response.headers.get(BACKEND_HEADER, self.default_backend)
             record.status, record.code = exc.status_code, _code(exc.body)
             record.error = f"HTTP {exc.status_code}: {exc.message}"[:300]
         except openai.APIError as exc:  # connection lost, timeout, or an error event inside the stream

@@ -8,8 +8,9 @@ processes match each one's `spec.replicas`:
   `serving.pagoda.dev/metrics-port` (every "pod" shares one IP here, so the port tells them apart);
 - readiness: `GET /ready` of each process becomes the Pod's Ready condition and the server
   container's `ready` in `containerStatuses`;
-- restarts: a process that exits is restarted in the same Pod (restartPolicy: Always), with
-  `restartCount` + 1 and `lastState.terminated` (exit code, reason) as a kubelet reports them;
+- restarts: a process that exits is restarted in the same Pod (restartPolicy: Always; a cold
+  start), with `restartCount` + 1 and `lastState.terminated` (exit code, reason) as a kubelet
+  reports them;
 - stop (newest first): first out of the front's rotation and the Pod object deleted (as endpoints
   drop a terminating pod), then SIGTERM so the server drains its in-flight requests;
 - status: the Deployment's `status.replicas/readyReplicas/...` as the controller reports them;
@@ -124,8 +125,12 @@ class PodRunner:
     def ready_backends(self) -> list[str]:
         return [r.url for w in self.workloads.values() for r in w.replicas if r.ready and r.routable]
 
+    def ready_pods(self) -> dict[str, str]:
+        """{pod name: "127.0.0.1:port"} of the ready pods (what Prometheus discovery should see)."""
+        return {r.name: f"127.0.0.1:{r.port}" for w in self.workloads.values() for r in w.replicas if r.ready}
+
     def _notify(self) -> None:
-        ready = {r.name: f"127.0.0.1:{r.port}" for w in self.workloads.values() for r in w.replicas if r.ready}
+        ready = self.ready_pods()
         if ready != self._last_ready and self.on_change:
             self.on_change(ready)
         self._last_ready = ready
@@ -234,14 +239,10 @@ class PodRunner:
 
     async def _restart_container(self, workload: Workload, replica: Replica, deployment: dict[str, Any],
                                  code: int) -> None:
+        # A cold start, never the warm spare: a restarted container loads its model again, and the
+        # time it is gone is what the fault costs.
         container = deployment["spec"]["template"]["spec"]["containers"][0]
-        spare = workload.spare
-        if spare is not None and spare.key == self._key(container) and spare.process.poll() is None:
-            replica.port, replica.process = spare.port, spare.process
-            workload.spare = None
-        else:
-            self._drop_spare(workload)
-            replica.port, replica.process = self._start_process(container)
+        replica.port, replica.process = self._start_process(container)
         replica.restart_count += 1
         replica.last_exit = code
         replica.ready = False
