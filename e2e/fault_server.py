@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from pagoda.operator.autoscaling.metrics import MetricsError, parse_metrics
+from pagoda.operator.autoscaling.collect import MetricsError, parse_metrics
 from pagoda.server.engine.fault_injection import ENV as FAULT_ENV
 
 from e2e.fault_plot import plot_fault

@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
-from pagoda.operator.autoscaling.metrics import MetricsError, parse_metrics  # noqa: E402
+from pagoda.operator.autoscaling.collect import MetricsError, parse_metrics  # noqa: E402
 from support.kube_emulator import KubeEmulator, declare_builtin_resources, declare_crd  # noqa: E402
 
 from e2e.front import RoundRobinFront  # noqa: E402

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
+from pagoda.operator.autoscaling.collect import METRICS_PORT_ANNOTATION
 from pagoda.operator.render import SERVER_CONTAINER
 
 MERGE = {"Content-Type": "application/merge-patch+json"}

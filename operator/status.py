@@ -20,10 +20,10 @@ from pagoda.operator.render import (
     DOWNLOAD_CONTAINER,
     SERVER_CONTAINER,
     Owner,
-    client_model_name,
     endpoint,
     selector_string,
 )
+from pagoda.operator.weights import client_model_name
 
 PULL_FAILURES = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_FAILURES = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-MARKER = ".pagoda-download-complete"  # also the operator's (render.DOWNLOAD_MARKER): one name
+MARKER = ".pagoda-download-complete"  # the operator reads it from here (weights.DOWNLOAD_MARKER)
 FAILURE_PREFIX = "model download failed: "
 
 

@@ -71,7 +71,7 @@ async def _serve(config, engine_args, host: str, port: int) -> int:
     import logging
     import signal
 
-    from pagoda.server.api.server import PagodaServer
+    from pagoda.server.api.lifecycle import PagodaServer
 
     log = logging.getLogger("pagoda.serve")
     server = PagodaServer(config, host, port)

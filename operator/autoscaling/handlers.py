@@ -23,11 +23,11 @@ from typing import Any
 
 import aiohttp
 import kopf
-from pagoda.operator import crd, metrics
-from pagoda.operator.autoscaling import kube, report
+from pagoda.operator import crd, operator_metrics
+from pagoda.operator.autoscaling import kube, scale_status
+from pagoda.operator.autoscaling.collect import PodSample, query_prometheus, scrape_pods
 from pagoda.operator.autoscaling.config import Collection, collection_from_spec, policy_from_spec
 from pagoda.operator.autoscaling.decision import PodObservation, Recommendation, decide
-from pagoda.operator.autoscaling.metrics import PodSample, query_prometheus, scrape_pods
 from pagoda.operator.autoscaling.pods import is_ready, live_pods, scrape_target
 
 HISTORY_MEMO_KEY = "autoscaler_history"
@@ -100,7 +100,7 @@ def known_history(memo: MutableMapping[str, Any], status: Mapping[str, Any], cur
     was just recommended (a fresh operator never scales down before one window has passed)."""
     if HISTORY_MEMO_KEY in memo:
         return memo[HISTORY_MEMO_KEY]
-    return report.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
+    return scale_status.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
 
 
 async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], status: Mapping[str, Any],
@@ -121,7 +121,7 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
     failure = source_failure(collection, samples)
 
     status_patch: dict[str, Any] = {}
-    if (kv_cache := report.kv_cache_status(samples, now)) is not None:
+    if (kv_cache := scale_status.kv_cache_status(samples, now)) is not None:
         status_patch["kvCache"] = kv_cache
     if autoscaling.get("enabled") and not SWITCH.enabled and not memo.get(WARNED_MEMO_KEY):
         memo[WARNED_MEMO_KEY] = True
@@ -147,8 +147,8 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
             # kopf.event, not kopf.info: the operator posts only WARNING+ of kopf's own chatter.
             kopf.event(body, type="Normal", reason="Scaled" + decision.direction.capitalize(),
                        message=message[:1000])
-            metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
-        status_patch["autoscaling"] = report.autoscaling_status(
+            operator_metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
+        status_patch["autoscaling"] = scale_status.autoscaling_status(
             decision, samples, not_ready, status.get("autoscaling"), scaled_at)
     elif status.get("autoscaling") is not None:
         # Switched off: a stale decision in status would mislead; re-enabling starts a fresh window.
@@ -169,6 +169,6 @@ async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spe
             logger.debug("autoscaler: the InferenceService is gone")
         except (kube.APIError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # A missed round is harmless: the next one starts from fresh observations.
-            metrics.ERRORS.labels("autoscale").inc()
+            operator_metrics.ERRORS.labels("autoscale").inc()
             logger.warning(f"autoscaler: round skipped: {exc!r}")
         await stopped.wait(collection_from_spec(spec.get("autoscaling")).interval_s)

@@ -59,6 +59,8 @@ class EngineArgs:
     seed: int = 0
     cpu_threads: int | None = None  # None = the cores this process may use (affinity, cgroup limit)
     num_blocks: int | None = None  # override the pool size (tests use tiny pools)
+    tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
+    nnodes: int = 1  # nodes those ranks span (a LeaderWorkerSet group); this process is node 0
 
     @property
     def num_gpu_blocks_override(self) -> int | None:
@@ -100,6 +102,13 @@ class EngineArgs:
         add("gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
         add("num-blocks", type=int, help="force the number of KV blocks (overrides memory sizing)")
         add("seed", type=int, default=0, help="seed for requests without their own seed")
+        add(
+            "tensor-parallel-size",
+            type=int,
+            default=1,
+            help="split the model over this many ranks (GPUs, or CPU processes), one process each",
+        )
+        add("nnodes", type=int, default=1, help="nodes the tensor-parallel ranks span (default 1)")
         add(
             "cpu-threads",
             type=int,

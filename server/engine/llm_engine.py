@@ -21,12 +21,14 @@ from pagoda.server.engine.device_peaks import device_peaks
 from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.engine.parallel.group import SINGLE
 from pagoda.server.engine.plan_cli import capacity_report
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
 from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.step_histograms import StepHistograms
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +51,36 @@ def resolve_device(device: str) -> torch.device:
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs, loaded=None) -> None:
         """`loaded`: an already loaded `LoadedModel` (tests share one across engines)."""
-        from pagoda.server.engine.loader import load_model
-
         self.engine_args = args = engine_args
         device = resolve_device(args.device)
+        tp_group = None
+        if args.tensor_parallel_size > 1 or args.nnodes > 1:
+            from pagoda.server.engine.parallel.executor import start_group
+
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size: each rank loads its own shard; pass no model")
+            tp_group = start_group(args, device)
+            args = tp_group.args
+        try:
+            self._build(args, device, loaded, tp_group)
+        except BaseException:
+            if tp_group is not None:  # the workers wait for commands that will never come
+                tp_group.abort()
+            raise
+
+    def _build(self, args: EngineArgs, device: torch.device, loaded, tp_group) -> None:
+        from pagoda.server.engine.loader import load_model
+
         if device.type == "cpu":
             set_cpu_threads(args.cpu_threads)
         if loaded is None:
-            loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
+            loaded = load_model(
+                args.model,
+                dtype=args.dtype,
+                device=device,
+                quantization=args.quantization,
+                tp=tp_group.tp if tp_group else SINGLE,
+            )
         self.loaded = loaded
         self.model_name: str = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -86,7 +110,12 @@ class LLMEngine:
         self.spec = KVCacheSpec(
             model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
         )
-        self.runner = ModelRunner(model, self.spec, loaded.device)
+        if tp_group is None:
+            self.runner = ModelRunner(model, self.spec, loaded.device)
+        else:
+            from pagoda.server.engine.parallel.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, self.spec, loaded.device, tp_group)
         num_blocks = args.num_blocks or self.runner.num_blocks_for_budget(
             args.kv_cache_memory, args.gpu_memory_utilization, batch_tokens
         )
@@ -111,8 +140,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
-        self._step_token_counts: list[int] = []
-        self.last_step_time: float | None = None
+        self.step_histograms = StepHistograms()
         for line in capacity_report(
             self.spec.bytes_per_token, args.block_size, num_blocks, self.max_model_len
         ):
@@ -220,6 +248,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a one-rank engine holds nothing to stop)."""
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()
+
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.kv_events.step = self.num_steps + 1  # events of this step; snapshots show completed steps
@@ -235,7 +269,10 @@ class LLMEngine:
                 item.request.metrics.first_scheduled_time = now
         shape, started = shape_of(out), time.perf_counter()
         logits, sampled = self.runner.execute(out)
-        self.roofline.observe(shape, len(sampled), len(out.block_copies), time.perf_counter() - started)
+        roofline = self.roofline.observe(
+            shape, len(sampled), len(out.block_copies), time.perf_counter() - started
+        )
+        self.step_histograms.observe(out.num_tokens, roofline)
         prompt_logprobs.record(out.prompt_scores)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -251,8 +288,6 @@ class LLMEngine:
             outputs.append(request.to_output())
         self.scheduler.drop_finished()
         self.num_steps += 1
-        self._step_token_counts.append(out.num_tokens)
-        self.last_step_time = now
         return outputs
 
     def _process(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
@@ -363,8 +398,8 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """A plain read: gauges and cumulative counters (readers take differences)."""
         bm = self.block_manager
-        counts, self._step_token_counts = self._step_token_counts, []
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -381,16 +416,13 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
-            step_token_counts=counts,
-            last_step_time=self.last_step_time,
-            loop_alive=True,
+            step_histograms=self.step_histograms.copy(),
             **self._roofline_stats(),
         )
 
     def _roofline_stats(self) -> dict:
         meter = self.roofline
         return {
-            "step_rooflines": meter.take(),
             "step_bytes_total": meter.bytes_total,
             "step_flops_total": meter.flops_total,
             "step_seconds_total": meter.seconds_total,
