@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.fault_injection import step_fault
 from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._died: asyncio.Future[BaseException] | None = None  # set when the step loop fails
 
     # ---- properties -------------------------------------------------------------------------------
     @property
@@ -88,6 +90,11 @@ class AsyncLLMEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
 
+    @property
+    def alive(self) -> bool:
+        """The step loop runs (False once it failed or was shut down)."""
+        return self._error is None and not self._thread_done
+
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine thread and wait until it has built the engine (load errors raise here)."""
@@ -95,6 +102,7 @@ class AsyncLLMEngine:
             return
         loop = asyncio.get_running_loop()
         built: asyncio.Future[None] = loop.create_future()
+        self._died = loop.create_future()
         self._thread = threading.Thread(
             target=self._run, args=(loop, built), name="pagoda-engine-loop", daemon=True
         )
@@ -105,6 +113,11 @@ class AsyncLLMEngine:
             await loop.run_in_executor(None, self._thread.join)
             self._thread = None
             raise
+
+    async def wait_dead(self) -> BaseException:
+        """Return the step loop's exception once it has failed (never returns on a healthy engine)."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -214,6 +227,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)
+        fault = step_fault()
         try:
             while True:
                 with self._lock:
@@ -245,6 +259,8 @@ class AsyncLLMEngine:
                     engine.abort_request(request_id)
                 for request in inbox:
                     engine.enqueue(request)
+                if fault is not None:
+                    fault()
                 outputs = engine.step() if engine.has_unfinished() else []
                 with self._lock:
                     for output in outputs:
@@ -263,6 +279,7 @@ class AsyncLLMEngine:
                 for stream in self._streams.values():
                     stream.put(exc)
                 self._streams.clear()
+            loop.call_soon_threadsafe(_settle, self._died, exc, None)
         finally:
             with self._lock:
                 self._refresh_stats()
