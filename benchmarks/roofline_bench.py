@@ -17,10 +17,11 @@ from pagoda.server.engine.sampling_params import SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list:
-    llm.engine.roofline.take()
+    steps = llm.engine.roofline.recording = []
     llm.engine.block_manager.reset_prefix_cache()
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
-    return llm.engine.roofline.take()
+    llm.engine.roofline.recording = None
+    return steps
 
 
 def describe(label: str, steps: list) -> str:

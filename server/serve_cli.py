@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, EngineArgs.from_cli_args(args), args.host, args.port))
 
 
-ENGINE_DEATH_FLUSH_S = 2.0  # how long the failed requests' error bodies get to reach their clients
+ENGINE_DEATH_LINGER_S = 1.0  # after the engine loop died: /health and /ready answer 503, then exit 1
 
 
 async def _serve(config, engine_args, host: str, port: int) -> int:
@@ -71,7 +71,7 @@ async def _serve(config, engine_args, host: str, port: int) -> int:
     import logging
     import signal
 
-    from pagoda.server.api.server import PagodaServer
+    from pagoda.server.api.lifecycle import PagodaServer
 
     log = logging.getLogger("pagoda.serve")
     server = PagodaServer(config, host, port)
@@ -96,7 +96,8 @@ async def _serve(config, engine_args, host: str, port: int) -> int:
         if died.done():
             log.error("engine loop died: %r; exiting 1", died.result())
             stopping.cancel()
-            await server.state.wait_idle(ENGINE_DEATH_FLUSH_S)  # let the error bodies go out
+            # The error bodies go out, and probes and endpoints see 503 before the port closes.
+            await asyncio.sleep(ENGINE_DEATH_LINGER_S)
             await server.drain_and_stop(timeout=0)
             return 1
         died.cancel()

@@ -9,17 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 from pagoda.server.protocol import APIError
 
 if TYPE_CHECKING:
     from pagoda.server.api.kv_snapshot_cache import SharedSnapshot
     from pagoda.server.engine.async_engine import AsyncLLMEngine
     from pagoda.server.engine.outputs import EngineStats
-
-# /health fails when the loop has work but has not finished a step for this long (a hung kernel,
-# a dead thread); a long CPU prefill of a full context stays well below it.
-STALL_SECONDS = 120.0
 
 
 @dataclass
@@ -55,28 +51,18 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.alive
 
     def stats(self) -> EngineStats | None:
-        return self.metrics.read_stats() if self.metrics else None
+        return self.engine.stats() if self.engine else None
 
     def health(self) -> tuple[bool, str]:
-        """(alive, why): the step loop thread runs and, when it has work, keeps finishing steps."""
+        """(alive, why): the model loaded (or is loading) and the engine's loop lives."""
         if self.load_error is not None:
             return False, f"model failed to load: {self.load_error}"
-        stats = self.stats()
-        if stats is None:
+        if self.engine is None:
             return True, "loading"
-        if not stats.loop_alive:
-            return False, "engine loop is not running"
-        busy = stats.num_running + stats.num_waiting > 0
-        if (
-            busy
-            and stats.last_step_time is not None
-            and time.monotonic() - stats.last_step_time > STALL_SECONDS
-        ):
-            return False, f"engine loop has not finished a step for over {STALL_SECONDS:.0f} s"
-        return True, "ok"
+        return self.engine.health()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

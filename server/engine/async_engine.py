@@ -18,14 +18,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.fault_injection import step_fault
 from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.sequence import Request
+from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
 IDLE_ADMISSION_WAIT_S = 0.003  # negligible next to a model step, even on a GPU
+# Not healthy when the loop has work but has made no progress for this long (a hung kernel, a
+# stuck thread); a long CPU prefill of a full context stays well below it.
+STALL_SECONDS = 120.0
 
 
 class EngineDeadError(RuntimeError):
@@ -54,9 +59,9 @@ class AsyncLLMEngine:
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
-        self._stats = EngineStats(loop_alive=False)
-        self._step_counts: list[int] = []
-        self._step_rooflines: list = []
+        self._stats = EngineStats()  # the engine's latest read, taken on the step thread
+        # When the loop last finished a step or was idle (time.monotonic()): stall detection.
+        self._last_progress = time.monotonic()
         # Readers of engine state (the KV views): served between two steps on the step thread.
         self._probes: list[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._parked = False  # the step thread waits idle inside the lock: engine state cannot change
@@ -85,6 +90,11 @@ class AsyncLLMEngine:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
+
+    @property
+    def alive(self) -> bool:
+        """The step loop runs (False once it failed or was shut down)."""
+        return self._error is None and not self._thread_done
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -126,17 +136,28 @@ class AsyncLLMEngine:
             self._thread = None
 
     # ---- requests -----------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, **checks: bool
+    ) -> Request:
+        """Validate and tokenize on the caller's thread (`LLMEngine.make_request`; raises RequestError)."""
+        return self.engine.make_request(request_id, prompt, params, **checks)
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative snapshots as tokens arrive; the last one has finished=True."""
-        request = self.engine.make_request(request_id, prompt, params)  # ValueError before scheduling
+        """`stream` of a new request; a bad one raises RequestError at the first `__anext__`."""
+        async for output in self.stream(self.make_request(request_id, prompt, params)):
+            yield output
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Run a request made by `make_request`; its outputs as they come, the last with finished=True."""
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine loop is not running") from self._error
             if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already running")
+                raise RequestError("request_id", f"{request_id!r} is already running")
             self._streams[request_id] = stream
             self._inbox.append(request)
             self._wake.notify()
@@ -166,11 +187,26 @@ class AsyncLLMEngine:
             self._wake.notify()
 
     def stats(self) -> EngineStats:
+        """The engine's latest stats (taken between two steps): a plain read, any number of readers."""
         with self._lock:
-            snapshot = self._stats
-            counts, self._step_counts = self._step_counts, []
-            rooflines, self._step_rooflines = self._step_rooflines, []
-        return EngineStats(**{**vars(snapshot), "step_token_counts": counts, "step_rooflines": rooflines})
+            return self._stats
+
+    # ---- liveness (only this front knows whether its loop runs) --------------------------------------
+    @property
+    def loop_alive(self) -> bool:
+        with self._lock:
+            return self._thread is not None and not self._thread_done and self._error is None
+
+    def health(self) -> tuple[bool, str]:
+        """(alive, why): the loop thread runs and, when it has work, keeps finishing steps."""
+        if not self.loop_alive:
+            return False, "engine loop is not running"
+        with self._lock:
+            busy = self._stats.num_running + self._stats.num_waiting > 0
+            quiet_for = time.monotonic() - self._last_progress
+        if busy and quiet_for > STALL_SECONDS:
+            return False, f"engine loop has not finished a step for over {STALL_SECONDS:.0f} s"
+        return True, "ok"
 
     @property
     def kv_events(self):
@@ -211,8 +247,9 @@ class AsyncLLMEngine:
         if add_failure_listener is not None:
             add_failure_listener(self._fail)
         with self._lock:
-            self._refresh_stats(alive=True)
+            self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)
+        fault = step_fault()
         try:
             while True:
                 with self._lock:
@@ -221,11 +258,12 @@ class AsyncLLMEngine:
                     while not (
                         self._inbox or self._aborts or self._stopping or self._error or engine.has_unfinished()
                     ):
-                        self._refresh_stats(alive=True)
+                        self._refresh_stats()
                         self._parked = True
                         self._wake.wait()
                         self._parked = False
                         was_idle = True
+                        self._last_progress = time.monotonic()
                     if was_idle:
                         # Requests arrive in bursts (clients whose requests finished in one step
                         # send their next ones together): a moment's wait lets the whole burst share
@@ -247,6 +285,8 @@ class AsyncLLMEngine:
                     engine.abort_request(request_id)
                 for request in inbox:
                     engine.enqueue(request)
+                if fault is not None:
+                    fault()
                 outputs = engine.step() if engine.has_unfinished() else []
                 with self._lock:
                     for output in outputs:
@@ -255,7 +295,8 @@ class AsyncLLMEngine:
                             stream.put(output)
                             if output.finished:
                                 del self._streams[output.request_id]
-                    self._refresh_stats(alive=True)
+                    self._refresh_stats()
+                    self._last_progress = time.monotonic()
                     self._run_probes()
         except BaseException as exc:  # the loop is dead: fail every waiting consumer
             logger.exception("engine loop failed")
@@ -268,17 +309,13 @@ class AsyncLLMEngine:
         finally:
             engine.shutdown()
             with self._lock:
-                self._refresh_stats(alive=False)
+                self._refresh_stats()
                 self._run_probes()
                 self._thread_done = True
 
-    def _refresh_stats(self, alive: bool) -> None:
-        """Called with the lock held, from the step thread only."""
-        stats = self.engine.stats()
-        self._step_counts.extend(stats.step_token_counts)
-        self._step_rooflines.extend(stats.step_rooflines)
-        stats.loop_alive = alive and self._error is None
-        self._stats = stats
+    def _refresh_stats(self) -> None:
+        """Called with the lock held, from the step thread only (engine state does not move meanwhile)."""
+        self._stats = self.engine.stats()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.step_histograms import StepHistograms
+
 
 @dataclass
 class RequestMetrics:
@@ -47,14 +50,15 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """A cheap snapshot of the engine for /metrics and /health."""
+    """A plain read of the engine for /metrics and the views: gauges and cumulative counters only, so
+    readers take differences and no read changes what the next one sees."""
 
     num_running: int = 0
     num_waiting: int = 0
     num_blocks_total: int = 0
     num_blocks_used: int = 0
     num_shared_blocks: int = 0  # ref_count > 1
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     capacity_tokens: int = 0  # of the whole tensor-parallel group: every rank holds each token's share
     tensor_parallel_size: int = 1
     kv_cache_bytes: int = 0  # the pool's bytes over every rank of the group
@@ -67,12 +71,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens found
     num_steps: int = 0
-    # Token counts of the steps since the previous stats() call
-    step_token_counts: list[int] = field(default_factory=list)
-    last_step_time: float | None = None
-    loop_alive: bool = False
-    # Roofline (server/engine/roofline.py): the steps since the previous stats() call, running totals
-    step_rooflines: list = field(default_factory=list)
+    # Per step, cumulative: tokens run and the roofline's utilisations and intensity
+    step_histograms: StepHistograms = field(default_factory=StepHistograms)
+    # Roofline (server/engine/roofline.py): running totals
     step_bytes_total: int = 0
     step_flops_total: int = 0
     step_seconds_total: float = 0.0

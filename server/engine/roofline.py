@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.device_peaks import DevicePeaks
 from pagoda.server.engine.layers.quantized import FEW_ROWS
 from torch import nn
@@ -126,7 +127,7 @@ def step_cost(
     shape: list[tuple[int, int]],
     num_sampled: int,
     num_copied_blocks: int = 0,
-    block_size: int = 16,
+    block_size: int = EngineArgs.block_size,
 ) -> StepCost:
     """`shape`: (tokens already in the cache, tokens run this step) per scheduled sequence."""
     tokens = sum(n for _, n in shape)
@@ -208,7 +209,8 @@ class StepRoofline:
 
 
 class RooflineMeter:
-    """Per-step rooflines for the metrics (drained by `take`) and running totals."""
+    """Running totals of the steps' rooflines and the last step. `recording`: a list to append every
+    step to (benchmarks set one; the metrics read the engine's cumulative histograms instead)."""
 
     def __init__(self, costs: ModelCosts, peaks: DevicePeaks, block_size: int) -> None:
         self.costs = costs
@@ -219,7 +221,7 @@ class RooflineMeter:
         self.seconds_total = 0.0
         self.bound_steps = {"memory": 0, "compute": 0}
         self.last: StepRoofline | None = None
-        self._pending: list[StepRoofline] = []
+        self.recording: list[StepRoofline] | None = None
 
     def observe(
         self, shape: list[tuple[int, int]], num_sampled: int, num_copies: int, seconds: float
@@ -231,10 +233,6 @@ class RooflineMeter:
         self.seconds_total += seconds
         self.bound_steps[step.bound] += 1
         self.last = step
-        if len(self._pending) < 100_000:  # nobody reads the metrics: do not grow without bound
-            self._pending.append(step)
+        if self.recording is not None:
+            self.recording.append(step)
         return step
-
-    def take(self) -> list[StepRoofline]:
-        pending, self._pending = self._pending, []
-        return pending

@@ -35,9 +35,10 @@ async def test_concurrent_streams_are_cumulative_and_match_offline(engine, llama
         assert tokens[-1] == offline.outputs[0].token_ids
         assert snapshots[-1].outputs[0].text == offline.outputs[0].text
     stats = engine.stats()
-    assert stats.loop_alive and stats.generation_tokens == 24 and stats.num_running == 0
-    assert sum(stats.step_token_counts) == 20 + 3 + 2 * 11
-    assert engine.stats().step_token_counts == []  # counts are handed out once
+    assert engine.loop_alive and stats.generation_tokens == 24 and stats.num_running == 0
+    assert stats.step_histograms.tokens.sum == 20 + 3 + 2 * 11
+    assert engine.stats().step_histograms.tokens.sum == 20 + 3 + 2 * 11  # a read drains nothing
+    assert engine.health() == (True, "ok")
 
 
 async def test_consumer_leaving_aborts_and_frees_blocks(engine):
@@ -70,3 +71,12 @@ async def test_explicit_abort(engine):
             break
         await asyncio.sleep(0.01)
     assert engine.stats().num_blocks_used == 0
+
+
+async def test_liveness_is_the_async_fronts_own(llama):
+    engine = AsyncLLMEngine(EngineArgs(device="cpu", kv_cache_memory=16 << 20), loaded=llama.loaded)
+    assert not engine.loop_alive  # not started
+    await engine.start()
+    assert engine.loop_alive and engine.health() == (True, "ok")
+    await engine.shutdown()
+    assert not engine.loop_alive and engine.health() == (False, "engine loop is not running")

@@ -29,11 +29,12 @@ def test_shared_prefix_prefills_only_the_suffix_with_identical_output(llama):
     engine = llm.engine
     (out1,) = llm.generate([first], GREEDY)
     assert out1.num_cached_tokens == 0
-    engine.stats()  # reset the per-step token counts
+    before = engine.stats().step_histograms.tokens
     (out2,) = llm.generate([second], GREEDY)
-    ran = engine.stats().step_token_counts
+    after = engine.stats().step_histograms.tokens
     assert out2.num_cached_tokens == 40  # five full blocks of the shared 40-token prefix
-    assert ran[0] == len(second) - 40  # the prefill ran the suffix only
+    steps = after.count - before.count  # the prefill, then one token per decode step
+    assert after.sum - before.sum == len(second) - 40 + steps - 1  # the prefill ran the suffix only
     assert out2.outputs[0].token_ids == cold[0]
     stats = engine.stats()
     assert stats.prefix_cache_hits == 40 and stats.prefix_cache_queries == len(first) + len(second)
@@ -88,8 +89,9 @@ def test_chunked_prefill_matches_unchunked_and_decodes_keep_going(llama):
     short_tokens_during_prefill = 0
     outputs = {}
     while "long" not in outputs or not outputs["long"].outputs[0].token_ids:
+        ran_before = engine.stats().step_histograms.tokens.sum
         step_outputs = {o.request_id: o for o in engine.step()}
-        assert engine.stats().step_token_counts[-1] <= 16
+        assert engine.stats().step_histograms.tokens.sum - ran_before <= 16
         if "short" in step_outputs and not step_outputs.get("long"):
             short_tokens_during_prefill += 1
         outputs.update(step_outputs)

@@ -88,16 +88,17 @@ def test_sliding_window_reads_only_the_window():
     assert costs.attended(0, 10) == (30 * 10, 30 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 8 + 8))
 
 
-def test_meter_counts_bounds_and_drains():
+def test_meter_counts_bounds_and_records():
     with torch.device("meta"):
         model = LlamaForCausalLM(_smollm2_config())
     meter = RooflineMeter(
         ModelCosts.from_model(model, KV_BYTES_PER_TOKEN_FP32), DevicePeaks(20e9, 200e9, "t"), 16
     )
+    meter.recording = []
     meter.observe([(100, 1)], 1, 0, 0.02)
     meter.observe([(0, 2048)], 1, 0, 5.0)  # a large prefill: ~250 FLOP/B, right of the 10 FLOP/B ridge
     assert meter.bound_steps == {"memory": 1, "compute": 1}
-    assert [s.tokens for s in meter.take()] == [1, 2048] and meter.take() == []
+    assert [s.tokens for s in meter.recording] == [1, 2048]
     assert meter.seconds_total == 5.02 and meter.last.bound == "compute"
 
 

@@ -29,8 +29,8 @@ from operator_harness import (
     prepare_cluster,
     running_operator,
 )
+from pagoda.operator import crd, render, status
 from pagoda.operator import leaderworkerset as lws
-from pagoda.operator import render, status
 from support.kube_emulator import KubeEmulator, declare_builtin_resources
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def example() -> dict:
 
 
 def rendered(spec: dict, served: bool = True) -> render.Desired:
-    return render.render(OWNER, spec, default_image=IMAGE, service_monitors_served=True,
+    return render.render(OWNER, crd.with_defaults(spec), default_image=IMAGE, service_monitors_served=True,
                          leader_worker_sets_served=served)  # fmt: skip
 
 
@@ -141,13 +141,7 @@ def test_without_the_crd_nothing_runs_and_a_condition_says_so():
     assert not {"Deployment", "LeaderWorkerSet"} & set(by_kind(desired))
     cond = status.optional_child_condition("LeaderWorkerSet", "CRDNotFound")
     assert cond["status"] == "False" and "install LeaderWorkerSet" in cond["message"]
-    assert status.group_description(crd_defaults(example())) == "2 nodes × 8 GPUs, TP 16"
-
-
-def crd_defaults(spec: dict) -> dict:
-    from pagoda.operator import crd
-
-    return crd.with_defaults(spec)
+    assert status.group_description(crd.with_defaults(example())) == "2 nodes × 8 GPUs, TP 16"
 
 
 def test_the_crd_refuses_ranks_that_do_not_split_over_the_nodes():

@@ -12,8 +12,9 @@ import pytest
 from pagoda.server import serve_cli
 from pagoda.server.api.state import ServerConfig
 from pagoda.server.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 from support.prometheus import PrometheusServer, prometheus_binary
+from test_server_metrics_contract import steps_of
 from test_server_prometheus import load
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -43,7 +44,7 @@ def scraped(vllm_compatible: bool) -> ServerMetrics:
     metrics = ServerMetrics("m", vllm_compatible=vllm_compatible)
     stats = EngineStats(num_running=2, num_waiting=3, num_blocks_total=10, num_blocks_used=4, block_size=16,
                         prompt_tokens=11, generation_tokens=7, preemptions=1, prefix_cache_queries=9,
-                        prefix_cache_hits=4, step_token_counts=[3, 70])  # fmt: skip
+                        prefix_cache_hits=4, step_histograms=steps_of(3, 70))  # fmt: skip
     metrics.attach(lambda: stats)
     metrics.request_tracker().update(finished_output())
     return metrics

@@ -196,6 +196,12 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def vocab_size(self) -> int:
+        """The embedding rows (over every tensor-parallel rank): every token id the model can index is
+        below this."""
+        return self.cfg.vocab_size
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]

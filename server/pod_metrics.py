@@ -1,48 +1,29 @@
 """Prometheus metrics of one serving pod (names and meanings: docs/metrics.md, a contract).
 
-Engine state (queue lengths, KV blocks, cumulative token counters) is read from `engine.stats()` at
-scrape time by a custom collector, never pushed from the step loop. Per-request latencies are observed
+Engine state (queue lengths, KV blocks, cumulative counters and per-step histograms) is read from
+`engine.stats()` at scrape time by a custom collector, never pushed from the step loop; the read
+changes nothing, so a scrape and any other reader never take values from each other. Per-request latencies are observed
 by the HTTP layer from each request's engine timestamps (`RequestOutput.metrics`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
+from pagoda.server.engine.step_histograms import Histogram as StepHistogram
 from pagoda.server.vllm_metrics import vllm_families
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # 1 ms … 10 min: a decode step on an H200 and a long CPU prefill both land in a finite bucket.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0,
 )  # fmt: skip
-ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# Fractions of a device peak. Above 1 happens: a model that fits in a CPU's caches beats DRAM bandwidth.
-UTILIZATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
-                       0.9, 1.0, 1.5, 2.0, 4.0)  # fmt: skip
-INTENSITY_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-
-
-class StatsReader:
-    """The one caller of `engine.stats()`: each call drains `step_token_counts`, so every reader
-    (scrapes, /health, the queue limit) goes through here and the step histogram loses nothing."""
-
-    def __init__(self, stats: Callable[[], EngineStats], on_steps: Callable[[EngineStats], None]) -> None:
-        self._stats = stats
-        self._on_steps = on_steps
-        self._lock = threading.Lock()
-
-    def read(self) -> EngineStats:
-        with self._lock:
-            stats = self._stats()
-            self._on_steps(stats)
-        return stats
 
 
 class _EngineCollector(Collector):
@@ -96,6 +77,9 @@ class _EngineCollector(Collector):
         yield counter(
             "pagoda_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
+        steps = stats.step_histograms
+        yield _histogram("pagoda_iteration_tokens", "Tokens (prefill + decode) run in one engine step.",
+                         steps.tokens, label)  # fmt: skip
         yield from _roofline_families(stats, label)
         info = GaugeMetricFamily(
             "pagoda_engine_info",
@@ -138,6 +122,23 @@ def _roofline_families(stats: EngineStats, label: list[str]) -> Iterable[Metric]
                                    labels=["model_name", "source"])  # fmt: skip
         family.add_metric([*label, stats.peak_source], value)
         yield family
+    steps = stats.step_histograms
+    for name, doc, histogram in (
+        ("pagoda_step_bandwidth_utilization", "Per step: bytes moved / step time / the device's peak bandwidth.",
+         steps.bandwidth_utilization),
+        ("pagoda_step_compute_utilization", "Per step: FLOPs / step time / the device's peak FLOP/s.",
+         steps.compute_utilization),
+        ("pagoda_step_arithmetic_intensity", "Per step: FLOPs per byte moved.", steps.intensity),
+    ):  # fmt: skip
+        yield _histogram(name, doc, histogram, label)
+
+
+def _histogram(name: str, doc: str, histogram: StepHistogram, label: list[str]) -> HistogramMetricFamily:
+    """An engine-kept cumulative histogram, exported as prometheus_client's own histograms are."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    buckets = [(floatToGoString(bound), count) for bound, count in histogram.cumulative()]
+    family.add_metric(label, buckets, histogram.sum)
+    return family
 
 
 class ServerMetrics:
@@ -147,9 +148,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.vllm_compatible = vllm_compatible  # also export the values under vLLM's names
         self.registry = CollectorRegistry()
-        self._stats_reader: StatsReader | None = None
-        # First in the registry: each scrape reads the engine (and its step counts into the
-        # iteration histogram) before the histograms are collected.
+        self._read_stats: Callable[[], EngineStats] | None = None
         self.registry.register(_EngineCollector(model_name, self.read_stats))
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
@@ -167,24 +166,6 @@ class ServerMetrics:
         self.queue_time = histogram(
             "pagoda_request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
         )
-        self.iteration_tokens = histogram(
-            "pagoda_iteration_tokens",
-            "Tokens (prefill + decode) run in one engine step.",
-            ITERATION_TOKEN_BUCKETS,
-        )
-        self.bandwidth_utilization = histogram(
-            "pagoda_step_bandwidth_utilization",
-            "Per step: bytes moved / step time / the device's peak bandwidth.",
-            UTILIZATION_BUCKETS,
-        )
-        self.compute_utilization = histogram(
-            "pagoda_step_compute_utilization",
-            "Per step: FLOPs / step time / the device's peak FLOP/s.",
-            UTILIZATION_BUCKETS,
-        )
-        self.intensity = histogram(
-            "pagoda_step_arithmetic_intensity", "Per step: FLOPs per byte moved.", INTENSITY_BUCKETS
-        )
         finished = Counter(
             "pagoda_requests_finished",
             "Finished requests by reason.",
@@ -195,18 +176,10 @@ class ServerMetrics:
 
     def attach(self, stats: Callable[[], EngineStats]) -> None:
         """Start reading engine stats (called once the model is loaded)."""
-        self._stats_reader = StatsReader(stats, self._observe_steps)
+        self._read_stats = stats
 
     def read_stats(self) -> EngineStats | None:
-        return self._stats_reader.read() if self._stats_reader else None
-
-    def _observe_steps(self, stats: EngineStats) -> None:
-        for count in stats.step_token_counts:
-            self.iteration_tokens.observe(count)
-        for step in stats.step_rooflines:
-            self.bandwidth_utilization.observe(step.bandwidth_utilization)
-            self.compute_utilization.observe(step.compute_utilization)
-            self.intensity.observe(step.intensity)
+        return self._read_stats() if self._read_stats else None
 
     def families(self) -> list[Metric]:
         """Everything one scrape exports: pagoda's families (read once), then their vLLM copies."""
