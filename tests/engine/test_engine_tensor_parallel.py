@@ -35,11 +35,11 @@ def record_logits(llm: LLM) -> list[torch.Tensor]:
     return seen
 
 
-def run_both(folder, prompts, params, *, warm_up=None, **kw):
+def run_both(folder, prompts, params, *, warm_up=None, sizes=(1, 2), **kw):
     """Per TP size 1 and 2: (outputs, per-step logits, stats, rank 0's KV caches). `warm_up`
     prompts run first, to completion (their blocks stay in the prefix cache)."""
     results = []
-    for tp in (1, 2):
+    for tp in sizes:
         llm = engine_on(folder, tp, **kw)
         try:
             logits = record_logits(llm)
@@ -92,6 +92,14 @@ def test_gqa_families_greedy_tokens_and_logits_equal_one_rank(tmp_path_factory, 
     q/k norms, sliding windows."""
     one, two = run_both(tiny_model_dir(family, tmp_path_factory), PROMPTS, GREEDY)
     assert_same(one, two)
+
+
+@pytest.mark.slow
+def test_four_ranks_replicate_two_kv_heads(tmp_path_factory):
+    """llama3 at TP=4: 4 query heads, 2 KV heads, so two ranks share each KV head."""
+    one, four = run_both(tiny_model_dir("llama3", tmp_path_factory), PROMPTS, GREEDY, sizes=(1, 4))
+    assert_same(one, four)
+    assert four[3][0][0].shape[2] == 1
 
 
 def test_n_beams_prefix_cache_and_preemption_under_two_ranks(tmp_path_factory):
