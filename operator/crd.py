@@ -235,6 +235,12 @@ SPEC = _obj("What to serve and how.", {
     {"rule": "!has(self.engine) || !has(self.engine.tensorParallelSize) || !has(self.parallelism) || "
              "!has(self.parallelism.nodes) || self.engine.tensorParallelSize % self.parallelism.nodes == 0",
      "message": "engine.tensorParallelSize must be a multiple of parallelism.nodes (the same ranks on each node)"},
+    # The pods of a group sit on different nodes and mount the one weight cache.
+    {"rule": "!has(self.parallelism) || !has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+             "!has(self.model.uri) || !self.model.uri.startsWith('hf://') || !has(self.storage) || "
+             "!has(self.storage.accessModes) || self.storage.accessModes.exists(m, m == 'ReadWriteMany')",
+     "message": "parallelism.nodes > 1 with an hf:// model needs storage.accessModes ReadWriteMany (the group's "
+                "pods on different nodes share the weight cache)"},
 ]})
 
 CONDITION = _obj("A metav1.Condition.", {

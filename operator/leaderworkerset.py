@@ -18,6 +18,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from pagoda.operator.weights import DOWNLOAD_MARKER
+
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 KIND = "LeaderWorkerSet"
 PLURAL = "leaderworkersets"
@@ -25,6 +27,16 @@ WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 WORKER_COMPONENT = "inference-worker"
 RENDEZVOUS_PORT = 29500  # torch.distributed's usual MASTER_PORT, on the leader pod
 SHM_PER_GPU_GIB = 2
+WAIT_CONTAINER = "wait-for-weights"
+# A worker pod shares the leader's weight cache: it waits for the leader's download to complete
+# instead of downloading into the same folder at the same time.
+WAIT_SCRIPT = f"""\
+import os, pathlib, time
+marker = pathlib.Path(os.environ["PAGODA_MODEL"]) / "{DOWNLOAD_MARKER}"
+while not marker.is_file():
+    print(f"waiting for the group's leader to download the model into {{marker.parent}}", flush=True)
+    time.sleep(10)
+"""
 
 
 def nodes(spec: Mapping[str, Any]) -> int:
@@ -75,7 +87,22 @@ def worker_template(leader: dict[str, Any], component_label: str) -> dict[str, A
     container["ports"] = [
         {"name": "http", "containerPort": container["ports"][0]["containerPort"], "protocol": "TCP"}
     ]
+    waits = [_waiting(init) for init in template["spec"].pop("initContainers", [])]
+    if waits:
+        template["spec"]["initContainers"] = waits
     return template
+
+
+def _waiting(download: dict[str, Any]) -> dict[str, Any]:
+    model = [e for e in download["env"] if e["name"] == "PAGODA_MODEL"]
+    kept = {k: v for k, v in download.items() if k not in ("env", "command", "terminationMessagePolicy")}
+    return {
+        **kept,
+        "name": WAIT_CONTAINER,
+        "command": ["python", "-c", WAIT_SCRIPT],
+        "env": model,
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+    }
 
 
 def leader_worker_set(

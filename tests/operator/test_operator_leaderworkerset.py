@@ -113,6 +113,11 @@ def test_leader_serves_and_workers_run_their_ranks():
     rank = env_of(worker)["PAGODA_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert rank == f"metadata.labels['{lws.WORKER_INDEX_LABEL}']"
     assert "PAGODA_NODE_RANK" not in env_of(leader)
+    # One download per group, by the leader; the worker waits for its completion marker.
+    assert [c["name"] for c in leader["spec"]["initContainers"]] == ["model-download"]
+    (wait,) = worker["spec"]["initContainers"]
+    assert wait["name"] == lws.WAIT_CONTAINER and "HF_TOKEN" not in str(wait)
+    assert ".pagoda-download-complete" in wait["command"][-1]
     # The Service, PDB, status and autoscaler select leaders only: a group is one replica.
     selector = render.selector_labels(OWNER)
     assert selector.items() <= leader["metadata"]["labels"].items()
@@ -181,7 +186,8 @@ async def test_the_emulator_creates_and_scales_a_leaderworkerset(kmock):
 async def test_the_operator_runs_a_group_and_scales_it_by_the_inferenceservice(kmock, tmp_path, monkeypatch):
     prepare_cluster(kmock, tmp_path, monkeypatch)
     async with running_operator(kmock):
-        await create(kmock, isvc(parallelism={"nodes": 2}, resources={"gpus": 2}))
+        rwx = {"accessModes": ["ReadWriteMany"]}
+        await create(kmock, isvc(parallelism={"nodes": 2}, resources={"gpus": 2}, storage=rwx))
         group = await eventually(lambda: live(kmock, LWS, "llm"))
         assert group["spec"]["leaderWorkerTemplate"]["size"] == 2
         await eventually(lambda: condition(kmock, "llm", "LeaderWorkerSet")["reason"] == "Created")
@@ -203,7 +209,7 @@ async def test_the_operator_runs_a_group_and_scales_it_by_the_inferenceservice(k
 async def test_a_group_without_the_crd_gets_a_condition(kmock, tmp_path, monkeypatch):
     prepare_cluster(kmock, tmp_path, monkeypatch, leader_worker_sets=False)
     async with running_operator(kmock):
-        await create(kmock, isvc(parallelism={"nodes": 2}))
+        await create(kmock, isvc(parallelism={"nodes": 2}, storage={"accessModes": ["ReadWriteMany"]}))
         cond = await eventually(lambda: condition(kmock, "llm", "LeaderWorkerSet"))
         assert (cond["status"], cond["reason"]) == ("False", "CRDNotFound")
         assert ("apps/v1/deployments", NS, "llm") not in kmock.objects
