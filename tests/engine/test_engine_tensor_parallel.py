@@ -148,3 +148,30 @@ def test_plan_reports_the_group_capacity(capsys, tmp_path_factory):
     assert two["KV cache"] == one["KV cache"]  # the one KV head is whole on each rank
     half = int(one["KV cache capacity"].split()[0].replace(",", "")) // 2
     assert int(two["KV cache capacity"].split()[0].replace(",", "")) == half
+
+
+def test_low_bit_gguf_layers_stay_on_one_rank():
+    """The 4-bit GGUF layers are not sharded: dense under TP for `auto`, a clear refusal for `gguf`."""
+    from pathlib import Path
+
+    from pagoda.server.engine.loader import ModelSource, resolve_quantization
+
+    gguf = ModelSource("gguf", Path("m.gguf"), "m")
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", gguf, cpu, tp_size=1) == "gguf"
+    assert resolve_quantization("auto", gguf, cpu, tp_size=2) == "none"
+    with pytest.raises(ValueError, match="runs on one rank only"):
+        resolve_quantization("gguf", gguf, cpu, tp_size=2)
+
+
+def test_a_model_that_does_not_split_is_refused():
+    from types import SimpleNamespace
+
+    from pagoda.server.engine.parallel.sharding import check_shardable
+
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2, intermediate_size=128)
+    check_shardable(cfg, 4)  # 2 KV heads on 4 ranks: replicated
+    with pytest.raises(ValueError, match="4 attention heads"):
+        check_shardable(cfg, 3)
+    with pytest.raises(ValueError, match="6 KV heads"):
+        check_shardable(SimpleNamespace(num_heads=12, num_kv_heads=6, intermediate_size=128), 4)
