@@ -175,3 +175,46 @@ def test_a_model_that_does_not_split_is_refused():
         check_shardable(cfg, 3)
     with pytest.raises(ValueError, match="6 KV heads"):
         check_shardable(SimpleNamespace(num_heads=12, num_kv_heads=6, intermediate_size=128), 4)
+
+
+def test_each_rank_reads_only_its_slices_of_a_sharded_checkpoint(tmp_path_factory, monkeypatch):
+    """Rank 1 of 2, built without a process group: its tensors are the checkpoint's slices, read with
+    safetensors' get_slice (a whole-tensor read fails the test), across a multi-file checkpoint."""
+    import safetensors
+    from pagoda.server.engine.loader import load_model
+    from pagoda.server.engine.parallel.group import TensorParallel
+
+    folder = tiny_model_dir("qwen2", tmp_path_factory, max_shard_size="40KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    full = load_model(folder, dtype="float32").model.checkpoint_targets()
+    real_open = safetensors.safe_open
+
+    class SlicesOnly:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            assert "proj" not in name and "embed" not in name, f"{name} read whole"
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", SlicesOnly)
+    shard = load_model(folder, dtype="float32", tp=TensorParallel(rank=1, size=2)).model
+    for name, target in shard.checkpoint_targets().items():
+        where = shard.shard_slice(name)
+        whole = full[name]
+        expected = whole if where is None else whole.narrow(where.dim, where.start, where.length)
+        assert torch.equal(target[: expected.shape[0]], expected), name
+    assert shard.num_kv_heads == 1 and shard.model.embed_tokens.weight.shape[0] == 160
