@@ -3,11 +3,15 @@ dies takes /health to 503 and the server down with a non-zero exit within second
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -106,36 +110,58 @@ def _worker_pids() -> set[str]:
     return pids
 
 
+GROUP = ["--tensor-parallel-size", "2", "--nnodes", "2"]
+
+
+@contextlib.contextmanager
+def node_one(model: Path, log: Path, monkeypatch) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`pagoda worker --node-rank 1` of a two-node group on loopback: (process, its health URL)."""
+    from support.prometheus import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    health_port = free_port()
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "pagoda.cli", "worker", "--model", str(model), *FLAGS, *GROUP,
+             "--node-rank", "1", "--host", "127.0.0.1", "--port", str(health_port)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield worker, f"http://127.0.0.1:{health_port}"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
 @pytest.mark.slow
 def test_a_two_node_group_on_loopback_answers_like_one_rank(tmp_path, tmp_path_factory, monkeypatch):
     """The LeaderWorkerSet layout on one machine: `pagoda serve --nnodes 2` (node 0, rank 0) and
     `pagoda worker --node-rank 1` (rank 1) rendezvous at MASTER_ADDR:MASTER_PORT."""
-    import subprocess
-    import sys
-
-    from support.prometheus import free_port
-
     model = tiny_model_dir("llama", tmp_path_factory)
     offline = engine_reference(model)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    group = ["--tensor-parallel-size", "2", "--nnodes", "2"]
-    health_port = free_port()
-    with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.cli", "worker", "--model", str(model), *FLAGS, *group,
-             "--node-rank", "1", "--host", "127.0.0.1", "--port", str(health_port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        with pagoda_serve_process(model, [*FLAGS, *group], tmp_path / "leader.log") as (url, _):
+    with node_one(model, tmp_path / "worker.log", monkeypatch) as (worker, worker_url):
+        with pagoda_serve_process(model, [*FLAGS, *GROUP], tmp_path / "leader.log") as (url, _):
             text, logprobs = complete(url)
-            assert health(f"http://127.0.0.1:{health_port}") == 200
+            assert health(worker_url) == 200
         assert (text, logprobs) == (offline[0], pytest.approx(offline[1], abs=1e-5))
         assert worker.wait(timeout=30) == 0  # the leader's stop reached the worker's rank
-    finally:
-        if worker.poll() is None:
-            worker.kill()
+
+
+@pytest.mark.slow
+def test_a_worker_node_exits_non_zero_when_its_leader_dies(tmp_path, tmp_path_factory, monkeypatch):
+    """The leader pod lost (SIGKILL): the worker pod's rank fails its next receive and `pagoda worker`
+    exits non-zero within seconds (LWS then recreates the group)."""
+    model = tiny_model_dir("llama", tmp_path_factory)
+    with node_one(model, tmp_path / "worker.log", monkeypatch) as (worker, _):
+        with pagoda_serve_process(model, [*FLAGS, *GROUP], tmp_path / "leader.log") as (url, leader):
+            complete(url)
+            leader.kill()
+            killed = time.monotonic()
+            code = worker.wait(timeout=30)
+        assert code != 0
+        print(f"pagoda worker exited {code} {time.monotonic() - killed:.1f} s after its leader died")
+        assert time.monotonic() - killed < 15
 
 
 def engine_reference(model: Path) -> tuple[str, list[float]]:

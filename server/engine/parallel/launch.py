@@ -159,5 +159,7 @@ def run_node(args: EngineArgs, node_rank: int, addr: str, port: int, health: tup
     codes = [proc.poll() for proc in procs]
     watchdog.kill()
     server.shutdown()
-    # 0: stopped by SIGTERM, or rank 0 told every rank to stop; else the failed rank's code
-    return next((code for code in codes if code), 0)
+    # 0: stopped by SIGTERM, or rank 0 told every rank to stop; else the failed rank's code (a
+    # signal death as a shell reports it, 128 + n)
+    code = next((code for code in codes if code), 0)
+    return 128 - code if code < 0 else code
