@@ -218,3 +218,19 @@ def test_each_rank_reads_only_its_slices_of_a_sharded_checkpoint(tmp_path_factor
         expected = whole if where is None else whole.narrow(where.dim, where.start, where.length)
         assert torch.equal(target[: expected.shape[0]], expected), name
     assert shard.num_kv_heads == 1 and shard.model.embed_tokens.weight.shape[0] == 160
+
+
+def test_the_roofline_counts_one_rank_share(tmp_path_factory):
+    """Each rank's roofline is its device's: half the matmul FLOPs and weight bytes of the layers."""
+    from pagoda.server.engine.loader import load_model
+    from pagoda.server.engine.parallel.group import TensorParallel
+    from pagoda.server.engine.roofline import ModelCosts
+
+    folder = tiny_model_dir("llama", tmp_path_factory)
+    whole = ModelCosts.from_model(load_model(folder, dtype="float32").model, 1024)
+    half = ModelCosts.from_model(load_model(folder, dtype="float32", tp=TensorParallel(1, 2)).model, 512)
+    assert half.body_flops_per_token * 2 == whole.body_flops_per_token
+    assert half.head_flops_per_row * 2 == whole.head_flops_per_row
+    assert half.attn_flops_per_context * 2 == whole.attn_flops_per_context
+    assert half.embed_row_bytes == whole.embed_row_bytes and half.head_bytes * 2 == whole.head_bytes
+    assert whole.body_bytes / 2 < half.body_bytes < whole.body_bytes  # the norms are whole on each rank
