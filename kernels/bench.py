@@ -12,6 +12,10 @@ imports nothing from the engine (the engine's own GPU checks are `benchmarks/eng
 Writes ``bench.json`` and ``bench.md`` to ``--out``.
 
 ``TRITON_INTERPRET=1 python kernels/bench.py --smoke`` runs the correctness part at tiny sizes on CPU.
+
+Why one file of ~500 lines: a GPU machine runs it straight from a checkout, with no install (the path
+shim at the bottom loads `pagoda.kernels` from the tree), and its tiny-size test
+(tests/kernels/test_kernels_bench_full.py) shrinks every shape by patching this one namespace.
 """
 
 import argparse
