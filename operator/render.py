@@ -21,7 +21,6 @@ from typing import Any
 
 from pagoda.operator import crd, routing
 from pagoda.operator.weights import (
-    DOWNLOAD_MARKER,
     MODELS_DIR,
     WeightsSource,
     served_name,
@@ -89,22 +88,9 @@ def weights_pvc(owner: Owner, spec: dict[str, Any]) -> dict[str, Any]:
             "metadata": _metadata(owner, weights_claim(owner.name)), "spec": pvc_spec}
 
 
-# Runs in the serving image (it has huggingface_hub). The marker is written last, so an interrupted
-# download is resumed on the next start, and a present marker skips the hub entirely.
-DOWNLOAD_SCRIPT = f"""\
-import os, pathlib
-from huggingface_hub import snapshot_download
-target = pathlib.Path(os.environ["PAGODA_MODEL"])
-marker = target / "{DOWNLOAD_MARKER}"
-if marker.exists():
-    print(f"model already present in {{target}}, skipping download")
-else:
-    target.mkdir(parents=True, exist_ok=True)
-    snapshot_download(repo_id=os.environ["HF_REPO_ID"], revision=os.environ["HF_REVISION"],
-                      local_dir=target, token=os.environ.get("HF_TOKEN") or None)
-    marker.write_text(os.environ["HF_REVISION"])
-    print(f"downloaded {{os.environ['HF_REPO_ID']}}@{{os.environ['HF_REVISION']}} into {{target}}")
-"""
+# Runs in the serving image: server/model_download.py (marker checked first and written last, a
+# failure's cause as the termination message, which status.py carries into the Degraded condition).
+DOWNLOAD_COMMAND = ["python", "-m", "pagoda.server.model_download"]
 
 
 def _container_security() -> dict[str, Any]:
@@ -126,7 +112,8 @@ def download_container(spec: dict[str, Any], source: WeightsSource, image: str) 
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": secret["name"], "key": secret.get("key", "token")}}})
     container: dict[str, Any] = {
-        "name": DOWNLOAD_CONTAINER, "image": image, "command": ["python", "-c", DOWNLOAD_SCRIPT], "env": env,
+        "name": DOWNLOAD_CONTAINER, "image": image, "command": list(DOWNLOAD_COMMAND), "env": env,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.operator import crd
+from pagoda.server.model_download import MARKER as DOWNLOAD_MARKER  # noqa: F401 - the init container's
 
 MODELS_DIR = "/models"
-DOWNLOAD_MARKER = ".pagoda-download-complete"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.fault_injection import step_fault
 from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.sequence import Request
+from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._died: asyncio.Future[BaseException] | None = None  # set when the step loop fails
 
     # ---- properties -------------------------------------------------------------------------------
     @property
@@ -88,6 +91,11 @@ class AsyncLLMEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
 
+    @property
+    def alive(self) -> bool:
+        """The step loop runs (False once it failed or was shut down)."""
+        return self._error is None and not self._thread_done
+
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine thread and wait until it has built the engine (load errors raise here)."""
@@ -95,6 +103,7 @@ class AsyncLLMEngine:
             return
         loop = asyncio.get_running_loop()
         built: asyncio.Future[None] = loop.create_future()
+        self._died = loop.create_future()
         self._thread = threading.Thread(
             target=self._run, args=(loop, built), name="pagoda-engine-loop", daemon=True
         )
@@ -106,6 +115,11 @@ class AsyncLLMEngine:
             self._thread = None
             raise
 
+    async def wait_dead(self) -> BaseException:
+        """Return the step loop's exception once it has failed (never returns on a healthy engine)."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
@@ -115,17 +129,28 @@ class AsyncLLMEngine:
             self._thread = None
 
     # ---- requests -----------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, **checks: bool
+    ) -> Request:
+        """Validate and tokenize on the caller's thread (`LLMEngine.make_request`; raises RequestError)."""
+        return self.engine.make_request(request_id, prompt, params, **checks)
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative snapshots as tokens arrive; the last one has finished=True."""
-        request = self.engine.make_request(request_id, prompt, params)  # ValueError before scheduling
+        """`stream` of a new request; a bad one raises RequestError at the first `__anext__`."""
+        async for output in self.stream(self.make_request(request_id, prompt, params)):
+            yield output
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Run a request made by `make_request`; its outputs as they come, the last with finished=True."""
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine loop is not running") from self._error
             if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already running")
+                raise RequestError("request_id", f"{request_id!r} is already running")
             self._streams[request_id] = stream
             self._inbox.append(request)
             self._wake.notify()
@@ -214,6 +239,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)
+        fault = step_fault()
         try:
             while True:
                 with self._lock:
@@ -245,6 +271,8 @@ class AsyncLLMEngine:
                     engine.abort_request(request_id)
                 for request in inbox:
                     engine.enqueue(request)
+                if fault is not None:
+                    fault()
                 outputs = engine.step() if engine.has_unfinished() else []
                 with self._lock:
                     for output in outputs:
@@ -263,6 +291,7 @@ class AsyncLLMEngine:
                 for stream in self._streams.values():
                     stream.put(exc)
                 self._streams.clear()
+            loop.call_soon_threadsafe(_settle, self._died, exc, None)
         finally:
             with self._lock:
                 self._refresh_stats()

@@ -11,7 +11,7 @@ import os
 import time
 
 import torch
-from pagoda.server.engine import prompt_logprobs
+from pagoda.server.engine import prompt_logprobs, validation
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.capacity import capacity_report
@@ -29,6 +29,7 @@ from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
 from pagoda.server.engine.sequence import Request, Sequence
 from pagoda.server.engine.step_histograms import StepHistograms
+from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
-        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.vocab_size = loaded.model.vocab_size  # the embedding rows: what a token id may be below
         self.max_model_len = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.dtype = loaded.dtype
         if args.max_num_batched_tokens is not None:
@@ -154,36 +155,35 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The one prompt encoder: (text or None, token ids). Text goes through the tokenizer with its
+        special tokens (BOS where the model wants one); token ids are taken as given."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt) if prompt else []
+        return None, list(prompt)
+
     def make_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        max_tokens_must_fit: bool = False,
     ) -> Request:
-        """Validate and tokenize (no engine state and no torch op: safe from any thread).
-        Raises ValueError("<param>: <what is wrong>")."""
+        """Validate and tokenize (no engine state and no torch op: safe from any thread); raises
+        `RequestError`. `max_tokens_must_fit`: refuse a max_tokens that overruns the context (the
+        server's rule for a value the client gave) instead of cutting the output there."""
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            prompt_text, prompt_ids = None, list(prompt)
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
-                f"{self.max_model_len}"
-            )
-        if any(t >= self.vocab_size for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
+        prompt_text, prompt_ids = self.encode(prompt)
+        validation.check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
+        if max_tokens_must_fit:
+            validation.check_max_tokens_fit(params.max_tokens, len(prompt_ids), self.max_model_len)
+        validation.check_logit_bias_vocab(params.logit_bias, self.vocab_size)
         if params.num_seqs > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n: {params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
+            raise RequestError(
+                "n", f"{params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
             )
         max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
         max_total = min(max_total, self.max_model_len)
@@ -191,7 +191,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop_strings, params.include_stop_str_in_output
         )
-        seq = Sequence(0, list(prompt_ids), len(prompt_ids), detok)
+        seq = Sequence(0, prompt_ids, len(prompt_ids), detok)
         return Request(
             request_id, prompt_text, list(prompt_ids), params, arrival_time or time.monotonic(), seq
         )
@@ -201,8 +201,9 @@ class LLMEngine:
         pool, width, tail = self.block_manager.num_blocks, params.num_seqs, max_total - prompt_len
         needed = self.block_manager.blocks_for_request(prompt_len, max_total, width)
         if needed > pool:
-            raise ValueError(
-                f"prompt: this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
+            raise RequestError(
+                "prompt",
+                f"this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
                 f"{tail} output tokens, {width} sequence(s)) but the pool has {pool}; lower max_tokens "
                 "or give the KV cache more memory"
             )
@@ -218,7 +219,7 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise RequestError("request_id", f"{request.request_id!r} is already running")
         if request.params.seed is not None:  # a torch object: made here, on the engine's thread
             request.seqs[0].generator = torch.Generator().manual_seed(request.params.seed)
         self.requests[request.request_id] = request

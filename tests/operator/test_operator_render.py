@@ -160,7 +160,8 @@ def test_download_init_container_for_hf_only():
     init_env = {e["name"]: e for e in init["env"]}
     assert init_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     assert init_env["HF_REVISION"]["value"] == "0e9e39f249a16976918f6564b8830bc894c89659"
-    assert weights.DOWNLOAD_MARKER in init["command"][-1]
+    assert init["command"] == ["python", "-m", "pagoda.server.model_download"]
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # the failure's cause, in status
     assert full["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
     pvc_model = by_kind(rendered(example_spec("pvc-model")))
     assert "PersistentVolumeClaim" not in pvc_model
@@ -259,7 +260,7 @@ def run_download(tmp_path, marker: bool):
         "HOME": str(tmp_path),
     }
     result = subprocess.run(
-        [sys.executable, "-c", render.DOWNLOAD_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, *render.DOWNLOAD_COMMAND[1:]], env=env, capture_output=True, text=True, timeout=60
     )
     return result, target
 
