@@ -29,6 +29,9 @@ class AttentionBackend(Protocol):
         context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
         scale: float,
         sliding_window: int | None = None,
+        # A dict that lives for one engine step (the step's attention metadata holds it): what only
+        # depends on the step can be worked out by the first layer and reused by the others.
+        step_cache: dict | None = None,
     ) -> torch.Tensor: ...  # [num_seqs, num_heads, head_dim]
 
     def paged_prefill_attention(

@@ -83,5 +83,6 @@ class PagedAttention(nn.Module):
 
     def _decode(self, backend: AttentionBackend, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return backend.paged_decode_attention(
-            q, *kv_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window
+            q, *kv_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window,
+            step_cache=meta.step_cache,
         )
