@@ -34,28 +34,15 @@ from support.tiny_models import make_random_llama  # noqa: E402
 
 BLOCK_SIZE = 16
 
+# LlamaConfig fields: (hidden, intermediate, layers, heads, kv heads, vocab, max positions).
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings")  # fmt: skip
 # One 1B-class Llama (Llama-3.2-1B's shape) for the engine decode step.
-ENGINE_MODEL = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-)
+ENGINE_MODEL = {**dict(zip(SHAPE_FIELDS, (2048, 8192, 16, 32, 8, 128256, 8192), strict=True)),
+                "tie_word_embeddings": True}  # fmt: skip
 ENGINE_BATCHES = (1, 32, 128)
 # A small Llama for the engine's Triton-vs-torch greedy check (GQA 4, head_dim 64).
-CHECK_MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    max_position_embeddings=1024,
-)
+CHECK_MODEL = dict(zip(SHAPE_FIELDS, (512, 1024, 4, 8, 2, 1024, 1024), strict=True))
 CHECK_TOKENS = 16
 ENGINE_PROMPT, ENGINE_STEPS = 512, 32
 
