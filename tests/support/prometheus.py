@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -26,15 +25,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+# The one free_port (tests, e2e and benchmarks get it here): the product's, which picks the rendezvous port.
+from pagoda.server.engine.parallel.launch import free_port
+
+__all__ = ["PrometheusServer", "free_port", "prometheus_binary"]
+
 
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PrometheusServer:
