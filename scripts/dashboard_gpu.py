@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dashboard_panels import DCGM_ABSENT, SERVING, Layout, kv_usage_panel, target, timeseries
+from dashboard_panels import DCGM_ABSENT, SERVING, Layout, kv_usage_panel, target, text_panel, timeseries
 
 GPU_TEXT = """\
 ### Why a GPU can read 90% "utilised" while its KV cache is 5% used
@@ -75,15 +75,7 @@ def roofline_panels(grid: Layout) -> None:
 
     seconds = per_pod_rate("pagoda_step_forward_seconds_total")
     grid.row("memory-bound or compute-bound?")
-    grid.add(
-        {
-            "type": "text",
-            "title": "Reading the roofline",
-            "options": {"mode": "markdown", "content": ROOFLINE_TEXT},
-        },
-        width=10,
-        height=16,
-    )
+    grid.add(text_panel("Reading the roofline", ROOFLINE_TEXT), width=10, height=16)
     grid.add(
         timeseries(
             "Bandwidth and compute utilisation vs GPU utilisation",
@@ -154,15 +146,7 @@ def roofline_panels(grid: Layout) -> None:
 
 def memory_vs_compute_panels() -> list[dict[str, Any]]:
     grid = Layout()
-    grid.add(
-        {
-            "type": "text",
-            "title": "Reading these panels",
-            "options": {"mode": "markdown", "content": GPU_TEXT},
-        },
-        width=10,
-        height=16,
-    )
+    grid.add(text_panel("Reading these panels", GPU_TEXT), width=10, height=16)
     grid.add(
         timeseries(
             "KV-cache usage vs GPU utilisation",

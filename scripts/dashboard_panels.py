@@ -157,6 +157,10 @@ def stat(title: str, description: str, targets: list[dict[str, Any]], unit: str)
     }
 
 
+def text_panel(title: str, markdown: str) -> dict[str, Any]:
+    return {"type": "text", "title": title, "options": {"mode": "markdown", "content": markdown}}
+
+
 def kv_usage_panel() -> dict[str, Any]:
     return timeseries(
         "KV-cache usage per pod",
