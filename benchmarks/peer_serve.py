@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagoda.server.bench.client import Target
-from pagoda.server.bench.dataset import BenchRequest, random_requests
-from pagoda.server.bench.report import summarize
-from pagoda.server.bench.runner import run_benchmark
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests")]  # the one free_port: tests/support
+
+from pagoda.server.bench.client import Target  # noqa: E402
+from pagoda.server.bench.dataset import BenchRequest, random_requests  # noqa: E402
+from pagoda.server.bench.report import summarize  # noqa: E402
+from pagoda.server.bench.runner import run_benchmark  # noqa: E402
+from support.prometheus import free_port  # noqa: E402
+
 PEERS = ROOT / "benchmarks" / ".peers"
 
 
@@ -78,12 +80,6 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = True  # transformers serve refuses the field (422)
     results: dict[str, dict] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def hf_folder_from_gguf(folder: Path) -> Path:

@@ -34,6 +34,7 @@ from typing import Any
 import kmock
 from pagoda.operator import crd
 from support.kube_emulator import KubeEmulator, declare_builtin_resources, declare_crd
+from support.prometheus import PrometheusServer
 
 from e2e.fault_plot import plot_fault
 from e2e.front import RoundRobinFront
@@ -176,8 +177,6 @@ class Cluster:
 
 
 async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_window: int) -> dict[str, Any]:
-    from e2e.prometheus import FileDiscoveryPrometheus
-
     cluster = Cluster(model_dir, out)
     async with KubeEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
         cluster.emulator = emulator
@@ -186,7 +185,7 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
         cluster.api_url = str(server.url).rstrip("/")
         await emulator.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
                                                         "metadata": {"name": NAMESPACE}})
-        prometheus = FileDiscoveryPrometheus(out / "prometheus", namespace=NAMESPACE).start()
+        prometheus = PrometheusServer(None, out / "prometheus", namespace=NAMESPACE).start()
         runner = cluster.runner = PodRunner(cluster.api_url, model_dir, out / "logs", warm_spares=True,
                                             on_change=prometheus.write_targets)
         front = RoundRobinFront(runner.ready_backends)

@@ -24,10 +24,10 @@ from typing import Any
 import aiohttp
 from pagoda.operator.autoscaling.collect import MetricsError, parse_metrics
 from pagoda.server.engine.fault_injection import ENV as FAULT_ENV
+from support.prometheus import free_port
 
 from e2e.fault_plot import plot_fault
 from e2e.load import Load, outcome
-from e2e.pod_runner import free_port
 
 MODEL = "tiny"
 

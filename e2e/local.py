@@ -40,9 +40,10 @@ import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
 from pagoda.operator.autoscaling.collect import MetricsError, parse_metrics  # noqa: E402
 from support.kube_emulator import KubeEmulator, declare_builtin_resources, declare_crd  # noqa: E402
+from support.prometheus import PrometheusServer, free_port  # noqa: E402
 
 from e2e.front import RoundRobinFront  # noqa: E402
-from e2e.pod_runner import PodRunner, free_port  # noqa: E402
+from e2e.pod_runner import PodRunner  # noqa: E402
 from e2e.timeline import Sample, attach_ttft, p99, plot, table  # noqa: E402
 
 NAMESPACE, NAME = "default", "tiny"
@@ -323,9 +324,7 @@ def start_operator(out: Path, api_url: str, log_name: str = "operator.log") -> s
 
 
 def start_prometheus(out: Path) -> Any:
-    from e2e.prometheus import FileDiscoveryPrometheus
-
-    return FileDiscoveryPrometheus(out / "prometheus", namespace=NAMESPACE).start()
+    return PrometheusServer(None, out / "prometheus", namespace=NAMESPACE).start()
 
 
 def main(argv: list[str] | None = None) -> int:

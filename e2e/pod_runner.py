@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -37,14 +36,9 @@ from typing import Any
 import aiohttp
 from pagoda.operator.autoscaling.collect import METRICS_PORT_ANNOTATION
 from pagoda.operator.render import SERVER_CONTAINER
+from support.prometheus import free_port  # tests/ is on sys.path (e2e/local.py)
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -13,11 +13,11 @@ The three operations (see `interface.AttentionBackend`):
   *last* ``q_len`` positions of a sequence of ``context_lens[i]`` tokens already stored in the cache
   (earlier context from prefix-cache hits or earlier chunks included); causal.
 
-`get_backend()` picks Triton on CUDA and the torch reference elsewhere; ``PAGODA_ATTENTION_BACKEND``
-(``torch`` | ``triton``) overrides it. The torch reference is the oracle the Triton kernels are tested
-against.
+`get_backend(name, device)` returns one: ``auto`` is Triton on CUDA and the fused CPU backend elsewhere;
+``cpu``, ``torch`` (the reference) and ``triton`` name one. The engine picks it once, from
+``--attention-backend``. The torch reference is the oracle the other backends are tested against.
 """
 
-from pagoda.kernels.interface import AttentionBackend, get_backend
+from pagoda.kernels.interface import BACKEND_NAMES, AttentionBackend, get_backend
 
-__all__ = ["AttentionBackend", "get_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "get_backend"]

@@ -7,11 +7,15 @@ One command on a GPU machine (from the repo root; no install needed):
 Shapes are Llama-3-8B's (32 query heads, 8 KV heads, head_dim 128, bf16, 16-token blocks). Each kernel
 is first checked against the reference on fresh random inputs (a few sequences of each batch: the
 kernels treat sequences independently), then timed with `triton.testing.do_bench` (median) and
-compared with the device's own measured copy bandwidth and bf16 matmul rate. Last, an engine decode
-step is timed end to end on a random-weight 1B-class Llama (skipped when the engine is unavailable).
+compared with the device's own measured copy bandwidth and bf16 matmul rate. Kernels only: this module
+imports nothing from the engine (the engine's own GPU checks are `benchmarks/engine_gpu_check.py`).
 Writes ``bench.json`` and ``bench.md`` to ``--out``.
 
 ``TRITON_INTERPRET=1 python kernels/bench.py --smoke`` runs the correctness part at tiny sizes on CPU.
+
+Why one file of ~500 lines: a GPU machine runs it straight from a checkout, with no install (the path
+shim at the bottom loads `pagoda.kernels` from the tree), and its tiny-size test
+(tests/kernels/test_kernels_bench_full.py) shrinks every shape by patching this one namespace.
 """
 
 import argparse
@@ -19,12 +23,10 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from unittest import mock
 
 # Llama-3-8B attention shapes.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -32,7 +34,7 @@ DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 4096, 32768)
 # (sequences, new tokens per sequence, context per sequence): whole prompts, then chunked prefills
 # after a long cached prefix.
-# The issue's target (>= 70% of copy bandwidth on an H200), and the variants timed on it.
+# The decode target (>= 70% of copy bandwidth on an H200), and the variants timed on it.
 DECODE_TARGET = (64, 4096)
 DECODE_SWEEP = ((32, 1), (128, 1), (64, 4), (64, 8), (128, 4))
 # Prefill tiles (BLOCK_M, BLOCK_N) timed on one 4k prompt.
@@ -44,30 +46,6 @@ STORE_TOKENS = (256, 8192)
 POISONED_LENS = [20, 33, 1000, 5000]
 CHECKED_SEQS = 4  # sequences of each batch compared with the reference
 CHECKED_ROWS = 512  # last query rows of each prefill sequence compared with the reference
-# One 1B-class Llama (Llama-3.2-1B's shape) for the engine decode step.
-ENGINE_MODEL = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-)
-ENGINE_BATCHES = (1, 32, 128)
-# A small Llama for the engine's Triton-vs-torch greedy check (GQA 4, head_dim 64).
-CHECK_MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    max_position_embeddings=1024,
-)
-CHECK_TOKENS = 16
-ENGINE_PROMPT, ENGINE_STEPS = 512, 32
 
 
 @dataclass
@@ -78,7 +56,6 @@ class Report:
     matmul_tflops: float | None = None
     checks: list = field(default_factory=list)
     timings: list = field(default_factory=list)
-    engine: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
     @property
@@ -90,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json, bench.md")
     parser.add_argument("--smoke", action="store_true", help="tiny correctness checks only (CPU interpreter)")
-    parser.add_argument("--no-engine", action="store_true", help="skip the end-to-end engine decode step")
     args = parser.parse_args(argv)
 
     import torch
@@ -127,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             run_smoke(report, device)
         else:
-            run_full(report, device, engine=not args.no_engine, checkpoint=checkpoint)
+            run_full(report, device, checkpoint=checkpoint)
     except Exception:  # a one-shot GPU run still leaves everything measured so far, and why it stopped
         report.notes.append("CRASHED:\n```\n" + traceback.format_exc() + "```")
         report.checks.append(
@@ -296,7 +272,7 @@ def run_smoke(report: Report, device) -> None:
     report.notes.append("smoke mode: correctness only, at tiny sizes; nothing timed")
 
 
-def run_full(report: Report, device, engine: bool, checkpoint=lambda: None) -> None:
+def run_full(report: Report, device, checkpoint=lambda: None) -> None:
     """`checkpoint()` after each section: a run killed at its time limit still leaves its numbers."""
     import torch
     import triton.testing
@@ -373,18 +349,9 @@ def run_full(report: Report, device, engine: bool, checkpoint=lambda: None) -> N
     sweep_prefill(report, bench, device, dtype, generator)
     checkpoint()
 
-    if engine:
-        torch.cuda.empty_cache()
-        try:
-            check_engine_greedy(report, device)
-            checkpoint()
-            time_engine_decode(report, device)
-        except Exception:  # the engine is another team's code: its failure must not hide the kernels'
-            report.notes.append("engine FAILED:\n```\n" + traceback.format_exc() + "```")
-
 
 def sweep_decode(report: Report, bench, device, dtype, generator) -> None:
-    """The issue's target case under other tile sizes and split counts, to tune the defaults from."""
+    """The target case under other tile sizes and split counts, to tune the defaults from."""
     import torch
     from pagoda.kernels.triton_backend import TritonBackend
 
@@ -473,143 +440,6 @@ def measure_matmul_tflops(bench, device) -> float:
 # ---- end to end -----------------------------------------------------------------------------------
 
 
-def check_engine_greedy(report: Report, device) -> None:
-    """The engine end to end on the device: greedy tokens on the Triton path equal the torch path's
-    (fp32, a small random Llama; chunked prefill and a prefix-cache hit included)."""
-    import torch
-    from pagoda.server.engine.llm import LLM
-    from pagoda.server.engine.loader import load_model
-    from pagoda.server.engine.sampling_params import SamplingParams
-
-    generator = torch.Generator().manual_seed(1)
-
-    def random_ids(n: int) -> list[int]:
-        return torch.randint(3, CHECK_MODEL["vocab_size"], (n,), generator=generator).tolist()
-
-    shared = random_ids(40)
-    prompts = [shared + random_ids(n) for n in (1, 7, 33, 90)] + [random_ids(5), random_ids(200)]
-    params = SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True)
-    tokens = {}
-    with tempfile.TemporaryDirectory() as folder:
-        save_random_llama(Path(folder), device, CHECK_MODEL, torch.float32)
-        for backend in ("torch", "triton"):
-            with mock.patch.dict(os.environ, {"PAGODA_ATTENTION_BACKEND": backend}):
-                loaded = load_model(folder, dtype="float32", device=device)  # layers pick their backend
-                llm = LLM(loaded=loaded, device=str(device), block_size=BLOCK_SIZE,
-                          max_num_batched_tokens=64, num_blocks=256)  # fmt: skip
-                llm.generate(prompts[:1], params)  # caches the shared prefix for the others
-                tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-                del llm, loaded
-    differing = sum(a != b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
-    report.checks.append(
-        {
-            "kernel": "engine",
-            "case": f"greedy tokens, triton vs torch path (fp32, {len(prompts)} prompts x {CHECK_TOKENS})",
-            "rel_err": differing / len(prompts),  # the share of prompts whose tokens differ
-            "ok": differing == 0,
-        }
-    )
-
-
-def time_engine_decode(report: Report, device) -> None:
-    """Median engine step time once every sequence is decoding, on a random-weight 1B-class Llama."""
-    try:
-        import tokenizers  # noqa: F401  (the random model's tokenizer)
-        import transformers  # noqa: F401
-        from pagoda.server.engine.config import EngineArgs
-        from pagoda.server.engine.llm_engine import LLMEngine
-        from pagoda.server.engine.loader import load_model
-        from pagoda.server.engine.sampling_params import SamplingParams
-    except ImportError as error:
-        report.notes.append(f"engine decode step: skipped, engine not importable ({error})")
-        return
-    import torch
-
-    with tempfile.TemporaryDirectory() as folder:
-        save_random_llama(Path(folder), device)
-        loaded = load_model(folder, dtype="bfloat16", device=device)
-        # The pool sizing a server does at start (on CUDA: a profiling forward of a full step).
-        sized = LLMEngine(
-            EngineArgs(model=folder, dtype="bfloat16", device=str(device), gpu_memory_utilization=0.5,
-                       kv_cache_memory=64 << 20, seed=0),
-            loaded=loaded,
-        )  # fmt: skip
-        pool = sized.block_manager
-        report.notes.append(
-            f"engine KV pool sized at gpu_memory_utilization 0.5: {pool.num_blocks} blocks of "
-            f"{pool.block_size} tokens ({pool.num_blocks * pool.block_size} tokens, "
-            f"{pool.num_blocks * sized.spec.bytes_per_block / 2**30:.2f} GiB)"
-        )
-        del sized, pool
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        for batch in ENGINE_BATCHES:
-            blocks = batch * (-(-(ENGINE_PROMPT + ENGINE_STEPS + 1) // BLOCK_SIZE)) + 8
-            engine = LLMEngine(
-                EngineArgs(
-                    model=folder,
-                    dtype="bfloat16",
-                    device=str(device),
-                    block_size=BLOCK_SIZE,
-                    max_num_seqs=batch,
-                    num_blocks=blocks,
-                    enable_prefix_caching=False,
-                    seed=0,
-                ),
-                loaded=loaded,
-            )
-            params = SamplingParams(max_tokens=ENGINE_STEPS, temperature=0.0, ignore_eos=True)
-            prompt_gen = torch.Generator().manual_seed(batch)
-            for i in range(batch):
-                prompt = torch.randint(engine.vocab_size, (ENGINE_PROMPT,), generator=prompt_gen).tolist()
-                engine.add_request(f"bench-{i}", prompt, params)
-            produced: dict[str, int] = {}
-            step_seconds = []
-            while engine.has_unfinished():
-                decoding = len(produced) == batch and all(n >= 1 for n in produced.values())
-                start = time.perf_counter()
-                outputs = engine.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if decoding:
-                    step_seconds.append(time.perf_counter() - start)
-                for output in outputs:
-                    produced[output.request_id] = len(output.outputs[0].token_ids)
-            step_seconds.sort()
-            median = step_seconds[len(step_seconds) // 2] if step_seconds else float("nan")
-            report.engine.append(
-                {
-                    "batch": batch,
-                    "context": ENGINE_PROMPT,
-                    "decode_steps": len(step_seconds),
-                    "step_ms": median * 1e3,
-                    "tokens_per_s": batch / median,
-                }
-            )
-            del engine
-            torch.cuda.empty_cache()
-
-
-def save_random_llama(folder: Path, device, shape: dict | None = None, dtype=None) -> None:
-    """A random-weight Llama HF folder (default: Llama-3.2-1B-shaped, bf16) with a local word-level
-    tokenizer over the whole vocabulary (any sampled id decodes)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    config = LlamaConfig(**(shape or ENGINE_MODEL), bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    with torch.device(device):  # random init is slow on the CPU for 1B parameters
-        model = LlamaForCausalLM(config).to(dtype or torch.bfloat16)
-    model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="t0", eos_token="t1", unk_token="t2"
-    ).save_pretrained(folder)
-
-
 # ---- output ---------------------------------------------------------------------------------------
 
 
@@ -635,12 +465,6 @@ def markdown(report: Report) -> str:
             lines.append(
                 f"| {t['kernel']} | {t['case']} | {t['us']:.1f} | {t['gbps']:.0f} | {t['pct_copy']:.0f}% | {compute} |"
             )
-    if report.engine:
-        lines += ["", "| engine decode step | context | median ms | tokens/s |", "|---|---|---|---|"]
-        lines += [
-            f"| batch {e['batch']} | {e['context']} | {e['step_ms']:.2f} | {e['tokens_per_s']:.0f} |"
-            for e in report.engine
-        ]
     lines += [""] + [f"- {note}" for note in report.notes]
     return "\n".join(lines)
 
@@ -658,7 +482,7 @@ def _install_repo_shim() -> None:
     repo = Path(__file__).resolve().parent.parent
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # kernels/ is no top level
-    for name, folder in (("pagoda", "pagoda"), ("pagoda.kernels", "kernels"), ("pagoda.server", "server")):
+    for name, folder in (("pagoda", "pagoda"), ("pagoda.kernels", "kernels")):
         path = repo / folder
         spec = importlib.util.spec_from_file_location(
             name, path / "__init__.py", submodule_search_locations=[str(path)]

@@ -5,7 +5,8 @@ This backend does the same in far fewer torch calls, which is what a CPU step pa
 batch sizes: one gather of the blocks a group of sequences holds, then torch's fused attention
 (`scaled_dot_product_attention`: flash attention on CPU, fp32 accumulation for bf16, GQA without
 repeating K and V) reading K/V through strided views. What only depends on the step (length groups,
-block indices, masks) is worked out once per step and reused by every layer. Prefill of a prompt with
+block indices, masks) is worked out once per step, kept in the step's `step_cache` (the attention
+metadata's), and reused by every layer. Prefill of a prompt with
 nothing cached attends causally without a mask.
 
 Contract beyond the interface's: cache slots a sequence does not own hold finite values. Their scores
@@ -48,16 +49,12 @@ class CpuBackend(TorchReferenceBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
-        # (key, plan) of the step being run: every layer passes the same metadata tensors. One tuple,
-        # read and replaced whole, so engines stepping on other threads never see half an update.
-        self._last_plan: tuple[tuple, list[_DecodeGroup]] | None = None
-
-    def _decode_plan(self, block_tables, context_lens, k_cache, sliding_window) -> list[_DecodeGroup]:
-        key = (block_tables, context_lens, tuple(k_cache.shape[:2]), sliding_window)
-        last = self._last_plan
-        if last is not None and last[0][0] is key[0] and last[0][1] is key[1] and last[0][2:] == key[2:]:
-            return last[1]
+    def _decode_plan(self, block_tables, context_lens, k_cache, sliding_window, step_cache) -> list[_DecodeGroup]:
+        """Worked out once per step (kept in the step's `step_cache`) and reused by every layer with the
+        same window and cache shape."""
+        key = ("cpu_decode_plan", tuple(k_cache.shape[:2]), sliding_window)
+        if step_cache is not None and key in step_cache:
+            return step_cache[key]
         num_blocks, block_size = k_cache.shape[:2]
         lengths = context_lens.tolist()
         # One call over the batch padded to its longest context, unless padding would more than
@@ -79,13 +76,14 @@ class CpuBackend(TorchReferenceBackend):
                         sliding_window,
                     )
                 )
-        self._last_plan = (key, plan)
+        if step_cache is not None:
+            step_cache[key] = plan
         return plan
 
     def paged_decode_attention(
-        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
+        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, step_cache=None
     ):
-        plan = self._decode_plan(block_tables, context_lens, k_cache, sliding_window)
+        plan = self._decode_plan(block_tables, context_lens, k_cache, sliding_window, step_cache)
         num_kv_heads, head_dim = k_cache.shape[2:]
         gqa = query.shape[1] != num_kv_heads
         out = torch.empty_like(query) if len(plan) > 1 else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Protocol
 
 import torch
@@ -30,6 +29,9 @@ class AttentionBackend(Protocol):
         context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
         scale: float,
         sliding_window: int | None = None,
+        # A dict that lives for one engine step (the step's attention metadata holds it): what only
+        # depends on the step can be worked out by the first layer and reused by the others.
+        step_cache: dict | None = None,
     ) -> torch.Tensor: ...  # [num_seqs, num_heads, head_dim]
 
     def paged_prefill_attention(
@@ -45,28 +47,31 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-def get_backend(device: torch.device | str | None = None) -> AttentionBackend:
-    """Triton on CUDA, the fused CPU backend elsewhere; PAGODA_ATTENTION_BACKEND overrides (``torch``
-    is the op-by-op reference, the oracle of both). One instance per choice, shared by every layer
-    (the CPU backend works out a step's decode plan once for all of them)."""
-    choice = os.environ.get("PAGODA_ATTENTION_BACKEND", "").strip().lower()
-    if not choice:
-        choice = "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
-    return _backend(choice)
+BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
+
+
+def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
+    """`auto`: Triton on CUDA, the fused CPU backend elsewhere; `torch` is the op-by-op reference, the
+    oracle of both. The engine asks once (`EngineArgs.attention_backend`) and hands the result to its
+    attention layers. One instance per choice, shared by every layer (the CPU backend works out a
+    step's decode plan once for all of them)."""
+    if name == "auto":
+        name = "triton" if torch.device(device or "cpu").type == "cuda" else "cpu"
+    return _backend(name)
 
 
 @functools.cache
-def _backend(choice: str) -> AttentionBackend:
-    if choice == "cpu":
+def _backend(name: str) -> AttentionBackend:
+    if name == "cpu":
         from pagoda.kernels.cpu_backend import CpuBackend
 
         return CpuBackend()
-    if choice == "torch":
+    if name == "torch":
         from pagoda.kernels.reference import TorchReferenceBackend
 
         return TorchReferenceBackend()
-    if choice == "triton":
+    if name == "triton":
         from pagoda.kernels.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"PAGODA_ATTENTION_BACKEND must be 'cpu', 'torch' or 'triton', got {choice!r}")
+    raise ValueError(f"attention_backend: one of {', '.join(BACKEND_NAMES)}, got {name!r}")

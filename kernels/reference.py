@@ -95,7 +95,7 @@ class TorchReferenceBackend:
         flat_v.index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
 
     def paged_decode_attention(
-        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
+        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, step_cache=None
     ):
         groups = length_groups(context_lens.tolist())
         if len(groups) == 1:

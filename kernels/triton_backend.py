@@ -40,7 +40,7 @@ class TritonBackend:
             store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_decode_attention(
-        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None
+        self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, step_cache=None
     ) -> torch.Tensor:
         with _on_device(query):
             return paged_decode_attention(

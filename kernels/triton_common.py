@@ -46,5 +46,5 @@ def check_launchable(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cuda" and not isinstance(dot, InterpretedFunction):
         raise RuntimeError(
             f"Triton kernels got {tensor.device.type} tensors: set TRITON_INTERPRET=1 before triton is "
-            "first imported to run them on the CPU, or use PAGODA_ATTENTION_BACKEND=torch"
+            "first imported to run them on the CPU, or use --attention-backend torch"
         )

@@ -165,5 +165,5 @@ async def refresh_status(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonS
         await stopped.wait(CONFIG.status_interval)
 
 
-# --- autoscaler: operator/autoscaling/ (the autoscaler helper) registers its handlers on import ------
+# --- autoscaler: operator/autoscaling/ registers its handlers on import --------------------------------
 import pagoda.operator.autoscaling.handlers  # noqa: E402, F401

@@ -10,7 +10,7 @@ decode attention on the second, both reading K/V from the paged cache through th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class AttentionMetadata:
     # Decode part (None when the step has no decode)
     decode_context_lens: torch.Tensor | None = None  # [num_decode_seqs] int32, incl. the new token
     decode_block_tables: torch.Tensor | None = None  # [num_decode_seqs, max_blocks] int32
+    # The kernels backend's scratch for this step (e.g. the CPU decode plan every layer shares).
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

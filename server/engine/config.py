@@ -59,6 +59,7 @@ class EngineArgs:
     seed: int = 0
     cpu_threads: int | None = None  # None = the cores this process may use (affinity, cgroup limit)
     num_blocks: int | None = None  # override the pool size (tests use tiny pools)
+    attention_backend: str = "auto"  # auto = Triton on CUDA, the fused CPU backend on CPU; torch = the reference
     tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
     nnodes: int = 1  # nodes those ranks span (a LeaderWorkerSet group); this process is node 0
 
@@ -96,6 +97,11 @@ class EngineArgs:
         add("kv-cache-memory", type=parse_bytes, help="KV pool size on CPU, e.g. 2GiB")
         add("gpu-memory-utilization", type=float, help="share of GPU memory to use")
         add("num-blocks", type=int, help="force the number of KV blocks (overrides memory sizing)")
+        add(
+            "attention-backend",
+            choices=["auto", "cpu", "torch", "triton"],
+            help="attention kernels (auto: triton on CUDA, cpu on CPU; torch: the op-by-op reference)",
+        )
         add("seed", type=int, help="seed for requests without their own seed")
         add(
             "tensor-parallel-size",

@@ -113,11 +113,11 @@ class LLMEngine:
             model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
         )
         if tp_group is None:
-            self.runner = ModelRunner(model, self.spec, loaded.device)
+            self.runner = ModelRunner(model, self.spec, loaded.device, args.attention_backend)
         else:
             from pagoda.server.engine.parallel.executor import TensorParallelRunner
 
-            self.runner = TensorParallelRunner(model, self.spec, loaded.device, tp_group)
+            self.runner = TensorParallelRunner(model, self.spec, loaded.device, tp_group, args.attention_backend)
         num_blocks = args.num_blocks or self.runner.num_blocks_for_budget(
             args.kv_cache_memory, args.gpu_memory_utilization, batch_tokens
         )

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pagoda.kernels import get_backend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.block_manager import blocks_for_tokens
+from pagoda.server.engine.layers.attention import use_backend
 from pagoda.server.engine.prompt_logprobs import prompt_score_rows, score_prompt_tokens
 from pagoda.server.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -98,8 +100,9 @@ class StepTimings:
 
 
 class ModelRunner:
-    def __init__(self, model, spec: KVCacheSpec, device: torch.device) -> None:
+    def __init__(self, model, spec: KVCacheSpec, device: torch.device, attention_backend: str = "auto") -> None:
         self.model = model
+        use_backend(model, get_backend(attention_backend, device))  # chosen once, for every layer
         self.spec = spec
         self.device = device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

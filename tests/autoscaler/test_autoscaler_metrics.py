@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from pathlib import Path
 
@@ -100,30 +99,14 @@ def test_parse_the_real_servers_exposition() -> None:
     )
 
 
-class LabelledPrometheus(PrometheusServer):
-    """One static target per pod with the `namespace`/`pod` labels Kubernetes discovery would attach."""
-
-    def __init__(self, pods: dict[str, str], workdir: Path) -> None:
-        super().__init__(list(pods.values()), workdir, scrape_interval=0.5)
-        self.pods = pods
-
-    def _write_config(self) -> Path:
-        path = super()._write_config()
-        config = json.loads(path.read_text())
-        config["scrape_configs"][0]["static_configs"] = [
-            {"targets": [target], "labels": {"namespace": "ns1", "pod": pod}}
-            for pod, target in self.pods.items()
-        ]
-        path.write_text(json.dumps(config))
-        return path
-
-
 @pytest.mark.skipif(prometheus_binary() is None, reason="needs the prometheus binary")
 async def test_query_prometheus_instead_of_scraping(fake_pods: FakePodFarm, tmp_path: Path) -> None:
     a = await fake_pods.start(metrics_text(kv=0.25, waiting=1, running=2))
     b = await fake_pods.start(metrics_text(kv=0.75, waiting=6, running=4))
-    prom = LabelledPrometheus({"llm-a": f"127.0.0.1:{a.port}", "llm-b": f"127.0.0.1:{b.port}"}, tmp_path)
+    # file-based discovery with the `namespace`/`pod` labels Kubernetes discovery would attach
+    prom = PrometheusServer(None, tmp_path, scrape_interval=0.5, namespace="ns1")
     await asyncio.to_thread(prom.start)
+    prom.write_targets({"llm-a": f"127.0.0.1:{a.port}", "llm-b": f"127.0.0.1:{b.port}"})
     try:
         await asyncio.to_thread(prom.wait_for, 'count(pagoda_kv_cache_usage_ratio{namespace="ns1"}) == 2')
         result = await query_prometheus(

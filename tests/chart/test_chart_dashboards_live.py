@@ -41,7 +41,7 @@ RATE_INTERVAL = "30s"  # covers the whole load at the end of it
 
 
 class LabelledPrometheus(PrometheusServer):
-    """The server helper's Prometheus, one scrape job per target group, with the labels Kubernetes
+    """The test-support Prometheus, one scrape job per target group, with the labels Kubernetes
     discovery would add and each job's own settings (e.g. honor_labels)."""
 
     def __init__(self, jobs: dict[str, dict], workdir: Path) -> None:

@@ -1,4 +1,4 @@
-"""Issue 5: prefix caching, LRU eviction, preemption by recompute, chunked prefill, beam search."""
+"""Prefix caching, LRU eviction, preemption by recompute, chunked prefill, beam search."""
 
 from __future__ import annotations
 

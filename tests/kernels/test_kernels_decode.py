@@ -135,3 +135,21 @@ def test_decode_partitions_heuristic():
     assert num_decode_partitions(1, 8, 4096, 512, sms=132) == 8
     # Short contexts never split, however empty the GPU.
     assert num_decode_partitions(1, 8, 1000, 512, sms=132) == 1
+
+
+def test_cpu_decode_plan_is_worked_out_once_per_step_and_shared(reference, generator):
+    """The CPU backend keeps its decode plan in the step's cache (the attention metadata's): the
+    second layer of a step reuses it, another window gets its own, and the output is the same."""
+    cache = make_paged_kv([5, 40, 300], 2, 32, 16, torch.float32, poison=1e4, generator=generator)
+    query = random_queries(3, 4, 32, torch.float32, generator=generator)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 32**-0.5)
+    step_cache: dict = {}
+    backend = CpuBackend()
+    first = backend.paged_decode_attention(*args, step_cache=step_cache)
+    (plan,) = step_cache.values()
+    second = backend.paged_decode_attention(*args, step_cache=step_cache)
+    assert list(step_cache.values()) == [plan] and torch.equal(first, second)
+    windowed = backend.paged_decode_attention(*args, 8, step_cache=step_cache)
+    assert len(step_cache) == 2
+    assert relative_error(first, reference.paged_decode_attention(*args)) <= tolerance(torch.float32)
+    assert relative_error(windowed, reference.paged_decode_attention(*args, 8)) <= tolerance(torch.float32)

@@ -12,13 +12,12 @@ from support.tiny_models import tiny_model_dir
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
-def _greedy_tokens(model_dir, backend: str, monkeypatch) -> list[list[int]]:
-    monkeypatch.setenv("PAGODA_ATTENTION_BACKEND", backend)
-    # A fresh load per backend: each attention layer keeps the backend it picked on first use.
+def _greedy_tokens(model_dir, backend: str) -> list[list[int]]:
     loaded = load_model(str(model_dir), dtype="float32", device="cpu")
     # 8-token blocks and 16-token steps: the 30-token prompt is prefilled in chunks, and the second
     # call's prompt reuses the first one's cached prefix blocks.
-    llm = LLM(loaded=loaded, device="cpu", block_size=8, max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+    llm = LLM(loaded=loaded, device="cpu", block_size=8, max_num_batched_tokens=16, kv_cache_memory=8 << 20,
+              attention_backend=backend)
     prefix = list(range(10, 34))
     first = llm.generate([[*prefix, 40, 41, 42, 43, 44, 45]], GREEDY)
     second = llm.generate([[*prefix, 50, 51], [60, 61, 62]], GREEDY)
@@ -38,9 +37,9 @@ def test_engine_greedy_tokens_match_reference(family, tmp_path_factory, monkeypa
 
         monkeypatch.setattr(TritonBackend, name, counted)
 
-    expected = _greedy_tokens(model_dir, "torch", monkeypatch)
+    expected = _greedy_tokens(model_dir, "torch")
     assert not calls  # the reference run never touched the Triton kernels
-    actual = _greedy_tokens(model_dir, "triton", monkeypatch)
+    actual = _greedy_tokens(model_dir, "triton")
 
     assert actual == expected
     assert all(len(tokens) == 5 for tokens in actual)

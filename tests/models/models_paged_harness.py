@@ -9,12 +9,15 @@ from __future__ import annotations
 import random
 
 import torch
+from pagoda.kernels import get_backend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
+from pagoda.server.engine.layers.attention import use_backend
 
 
 class PagedHarness:
-    def __init__(self, model, *, block_size: int, num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, model, *, block_size: int, num_blocks: int, seed: int = 0, attention_backend: str = "auto") -> None:
         self.model, self.block_size = model, block_size
+        use_backend(model, get_backend(attention_backend, "cpu"))
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))

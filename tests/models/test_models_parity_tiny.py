@@ -2,7 +2,7 @@
 
 Every position of every sequence is compared: prefill, chunked prefill after cached context, decode,
 and a mixed step (prefill + decode), with block sizes 16 and 8 and scattered physical blocks.
-Attention runs on the torch reference backend (PAGODA_ATTENTION_BACKEND unset, CPU).
+Attention runs on the CPU backend (`--attention-backend auto` on CPU).
 """
 
 from __future__ import annotations

@@ -6,13 +6,18 @@
 
 Listens on a free loopback port, scrapes every `scrape_interval` seconds, keeps its TSDB in `workdir`.
 Tests that need it should skip when the binary is missing (`prometheus_binary() is None`).
+
+With `namespace=` instead of fixed targets it finds them by file-based discovery: `write_targets({pod:
+"host:port"})` rewrites the list as pods come and go (the local e2e's pod runner does), each target with
+the `namespace` and `pod` labels Kubernetes discovery would attach, so the autoscaler's queries work
+unchanged. This module is also where tests, e2e and benchmarks get a free port.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -20,28 +25,32 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+# The one free_port (tests, e2e and benchmarks get it here): the product's, which picks the rendezvous port.
+from pagoda.server.engine.parallel.launch import free_port
+
+__all__ = ["PrometheusServer", "free_port", "prometheus_binary"]
+
 
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class PrometheusServer:
     def __init__(
         self,
-        targets: list[str],
+        targets: list[str] | None,
         workdir: Path,
         *,
         scrape_interval: float = 1.0,
         job: str = "pagoda",
         metrics_path: str = "/metrics",
+        namespace: str | None = None,
     ) -> None:
+        if (targets is None) == (namespace is None):
+            raise ValueError("give fixed targets or a namespace for file-based discovery, not both")
         self.targets = targets
+        self.namespace = namespace
+        self.targets_file = Path(workdir) / "targets.json"
         self.workdir = Path(workdir)
         self.scrape_interval = scrape_interval
         self.job = job
@@ -60,7 +69,11 @@ class PrometheusServer:
                     "metrics_path": self.metrics_path,
                     "scrape_interval": interval,
                     "scrape_timeout": interval,
-                    "static_configs": [{"targets": self.targets}],
+                    **(
+                        {"static_configs": [{"targets": self.targets}]}
+                        if self.targets is not None
+                        else {"file_sd_configs": [{"files": [str(self.targets_file)], "refresh_interval": "1s"}]}
+                    ),
                 }
             ],
         }
@@ -68,11 +81,21 @@ class PrometheusServer:
         path.write_text(json.dumps(config))  # JSON is YAML
         return path
 
+    def write_targets(self, pods: dict[str, str]) -> None:
+        """File-based discovery: scrape these pods ({name: "host:port"}) from now on."""
+        groups = [{"targets": [target], "labels": {"namespace": self.namespace, "pod": name}}
+                  for name, target in pods.items()]  # fmt: skip
+        scratch = self.targets_file.with_suffix(".tmp")
+        scratch.write_text(json.dumps(groups))
+        os.replace(scratch, self.targets_file)  # atomic: Prometheus never reads half a file
+
     def start(self, timeout: float = 30.0) -> PrometheusServer:
         binary = prometheus_binary()
         if binary is None:
             raise RuntimeError("prometheus binary not found (apt-get install prometheus)")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.namespace is not None:
+            self.write_targets({})
         config = self._write_config()
         self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
         self._process = subprocess.Popen(

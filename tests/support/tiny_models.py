@@ -15,6 +15,10 @@ Families (`TINY_FAMILIES`):
 Weights are re-drawn with unit-scale variances (not the 0.02 HF init) so logits are O(1) and a
 1e-4 logits tolerance actually tests something; norm weights and biases are random too.
 
+`make_random_llama` builds a Llama of any size (the benchmarks' 1B-class one, on the GPU) with a
+word-level tokenizer over the whole vocabulary, so any sampled id decodes; e2e and benchmarks import
+this module too (tests/ on sys.path).
+
 Reuse from any test area's conftest (one line per family, cached on disk per pytest session):
 
     from support.tiny_models import tiny_model_dir
@@ -227,3 +231,22 @@ def tiny_model_dir(family: str, tmp_path_factory, **kwargs: Any) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def make_random_llama(path: Path, device, shape: dict[str, Any], dtype=None) -> Path:
+    """A random-weight Llama HF folder of `shape` (LlamaConfig fields; HF's init, bf16 by default),
+    built on `device` (random init of 1B parameters is slow on the CPU)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype or torch.bfloat16)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", unk_token="t2").save_pretrained(path)
+    return Path(path)

@@ -2,15 +2,23 @@
 
 Each step stores the new tokens' K/V into their cache slots, then runs prefill attention on the
 step's first ``num_prefill_tokens`` tokens and decode attention (one token per sequence) on the rest;
-both read K/V from the cache through the block tables.
+both read K/V from the cache through the block tables. The kernels backend is chosen once by the
+model runner (`EngineArgs.attention_backend`) and handed to every layer with `use_backend`.
 """
 
 from __future__ import annotations
 
 import torch
-from pagoda.kernels import AttentionBackend, get_backend
+from pagoda.kernels import AttentionBackend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from torch import nn
+
+
+def use_backend(model: nn.Module, backend: AttentionBackend) -> None:
+    """Every attention layer of `model` runs on `backend`."""
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.backend = backend
 
 
 class PagedAttention(nn.Module):
@@ -28,14 +36,7 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        self._backend: AttentionBackend | None = None
-        self._backend_device: torch.device | None = None
-
-    def backend(self, device: torch.device) -> AttentionBackend:
-        """Chosen on first use for the device the tensors live on (the model may be moved after init)."""
-        if self._backend is None or self._backend_device != device:
-            self._backend, self._backend_device = get_backend(device), device
-        return self._backend
+        self.backend: AttentionBackend | None = None  # set by `use_backend`
 
     def forward(
         self,
@@ -45,7 +46,9 @@ class PagedAttention(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        backend = self.backend(q.device)
+        backend = self.backend
+        if backend is None:
+            raise RuntimeError("no attention backend: the model runner hands one to the layers (use_backend)")
         k_cache, v_cache = kv_cache
         meta = attn_metadata
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -80,5 +83,6 @@ class PagedAttention(nn.Module):
 
     def _decode(self, backend: AttentionBackend, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return backend.paged_decode_attention(
-            q, *kv_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window
+            q, *kv_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window,
+            step_cache=meta.step_cache,
         )

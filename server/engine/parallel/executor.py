@@ -74,8 +74,8 @@ def start_group(args: EngineArgs, device: torch.device) -> Group:
 
 
 class TensorParallelRunner(ModelRunner):
-    def __init__(self, model, spec, device: torch.device, tp_group: Group) -> None:
-        super().__init__(model, spec, device)
+    def __init__(self, model, spec, device: torch.device, tp_group: Group, attention_backend: str = "auto") -> None:
+        super().__init__(model, spec, device, attention_backend)
         self.group = tp_group
         self.closed = False
 

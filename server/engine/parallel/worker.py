@@ -58,7 +58,7 @@ def run_worker(args, rank: int, world_size: int, local_rank: int) -> None:
     loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization, tp=tp)
     model = loaded.model
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, loaded.dtype, args.block_size)
-    runner = ModelRunner(model, spec, device)
+    runner = ModelRunner(model, spec, device, args.attention_backend)
     logger.info("rank %d/%d ready on %s", rank, world_size, device)
     with torch.inference_mode():
         while True:
