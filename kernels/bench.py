@@ -573,8 +573,8 @@ def time_engine_decode(report: Report, device) -> None:
                     torch.cuda.synchronize(device)
                 if decoding:
                     step_seconds.append(time.perf_counter() - start)
-                for output in outputs:
-                    produced[output.request_id] = len(output.outputs[0].token_ids)
+                for output in outputs:  # deltas: the tokens new this step
+                    produced[output.request_id] = produced.get(output.request_id, 0) + len(output.outputs[0].token_ids)
             step_seconds.sort()
             median = step_seconds[len(step_seconds) // 2] if step_seconds else float("nan")
             report.engine.append(

@@ -3,8 +3,8 @@
 All torch work of a serving process runs on the engine thread: it loads the model, sizes the KV pool
 and runs every step. Torch work from a second thread would start a second OpenMP thread team that
 fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are validated on the caller's side (errors raise
-at the first `__anext__`), handed to the step thread through a locked inbox, and their cumulative
-snapshots come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
+at the first `__anext__`), handed to the step thread through a locked inbox, and their outputs (what
+is new each step: deltas, passed on as they are) come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
 request, which frees its blocks at the next loop turn.
 """
 
@@ -37,7 +37,7 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Where the step thread delivers one request's snapshots (on the request's event loop)."""
+    """Where the step thread delivers one request's outputs (on the request's event loop)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -145,8 +145,6 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await stream.queue.get()
-                while not stream.queue.empty() and not isinstance(item, BaseException):
-                    item = stream.queue.get_nowait()  # coalesce: snapshots are cumulative
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop failed") from item
                 finished = item.finished

@@ -1,4 +1,4 @@
-"""The synchronous engine: requests in, one `step()` at a time, cumulative snapshots out.
+"""The synchronous engine: requests in, one `step()` at a time, per-request deltas out.
 
 A step = schedule → copy-on-write block copies → model forward → sample → detokenize / stop checks
 → finished sequences free their blocks at once.
@@ -216,13 +216,16 @@ class LLMEngine:
             seq.finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
-        return request.to_output()
+        output = request.take_output()
+        assert output is not None  # a finished request always has its last output
+        return output
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; the outputs of the requests it moved: what is new for each since its last one."""
         self.kv_events.step = self.num_steps + 1  # events of this step; snapshots show completed steps
         out = self.scheduler.schedule()
         for request in out.unservable:
@@ -252,7 +255,9 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.scheduler.finish_request(request)
                 self.requests.pop(request.request_id, None)
-            outputs.append(request.to_output())
+            output = request.take_output()
+            if output is not None:
+                outputs.append(output)
         self.scheduler.drop_finished()
         self.num_steps += 1
         return outputs
