@@ -131,7 +131,9 @@ def worktree(rev: str, scratch: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--before", metavar="REV", help="also run a temporary git worktree of REV, first")
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                         help="a source tree to run (repeatable; default: this tree)")  # fmt: skip
@@ -142,7 +144,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="long-output-") as tmp, contextlib.ExitStack() as stack:
         scratch = Path(tmp)
         if args.before:
-            trees.insert(0, (f"before ({args.before})", str(stack.enter_context(worktree(args.before, scratch)))))
+            trees.insert(
+                0, (f"before ({args.before})", str(stack.enter_context(worktree(args.before, scratch))))
+            )
         model = build_model(scratch)
         print(f"{args.max_tokens} output tokens, median ms/step over decode steps 1-{args.window} vs the last "
               f"{args.window}; overhead = step - model forward")  # fmt: skip

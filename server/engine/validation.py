@@ -50,7 +50,9 @@ def is_number(value: Any) -> bool:
 
 
 def _in_range(param: str, value: Any, lo: float, hi: float) -> None:
-    _check(is_number(value) and lo <= value <= hi, param, f"must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    _check(
+        is_number(value) and lo <= value <= hi, param, f"must be a number in [{lo:g}, {hi:g}], got {value!r}"
+    )
 
 
 def _int_in_range(param: str, value: Any, lo: int, hi: int) -> None:
