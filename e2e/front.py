@@ -15,6 +15,7 @@ from collections.abc import Callable
 import aiohttp
 import aiohttp.web
 
+BACKEND_HEADER = "x-pagoda-backend"  # which serving process answered (the fault scenarios attribute failures)
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade"}
 
 
@@ -64,10 +65,15 @@ class RoundRobinFront:
                                                        data=body, headers=headers)
             except aiohttp.ClientConnectorError:
                 continue  # never reached the server: safe to try the next one
+            except aiohttp.ClientError as exc:  # reached it, and it died before answering: not retried
+                self.failures += 1
+                return aiohttp.web.json_response({"error": {"message": f"the backend failed: {exc}"}}, status=502,
+                                                 headers={BACKEND_HEADER: backend})
             self.requests_per_backend[backend] += 1
             async with upstream:
                 response = aiohttp.web.StreamResponse(status=upstream.status, headers={
-                    k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP})
+                    **{k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
+                    BACKEND_HEADER: backend})
                 if upstream.status >= 500:
                     self.failures += 1
                 await response.prepare(request)
@@ -77,6 +83,12 @@ class RoundRobinFront:
                     await response.write_eof()
                 except ConnectionResetError:
                     pass  # the client hung up once it had what it wanted (e.g. after `data: [DONE]`)
+                except aiohttp.ClientPayloadError:
+                    # The backend died mid-stream: break the client's stream too (as a Service's
+                    # connection would), never end it as if it were complete.
+                    self.failures += 1
+                    if request.transport is not None:
+                        request.transport.close()
                 return response
         self.failures += 1
         return aiohttp.web.json_response({"error": {"message": "no ready backend"}}, status=503)

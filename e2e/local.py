@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
-from pagoda.operator.autoscaling.metrics import MetricsError, parse_metrics  # noqa: E402
+from pagoda.operator.autoscaling.collect import MetricsError, parse_metrics  # noqa: E402
 from support.kube_emulator import KubeEmulator, declare_builtin_resources, declare_crd  # noqa: E402
 
 from e2e.front import RoundRobinFront  # noqa: E402
@@ -310,10 +310,10 @@ class Scenario:
         return summary
 
 
-def start_operator(out: Path, api_url: str) -> subprocess.Popen:
+def start_operator(out: Path, api_url: str, log_name: str = "operator.log") -> subprocess.Popen:
     env = {**os.environ, "KUBECONFIG": str(write_kubeconfig(out / "kubeconfig.yaml", api_url)),
            "PAGODA_SERVER_IMAGE": "local/pagoda-server:e2e"}
-    log = open(out / "operator.log", "wb")  # noqa: SIM115 - owned by the process
+    log = open(out / log_name, "wb")  # noqa: SIM115 - owned by the process
     process = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "operator", "--all-namespaces", "--standalone",
                                 "--health-port", str(free_port()), "--metrics-port", str(free_port()),
                                 "--status-interval", "2", "--verbose"], env=env, stdout=log, stderr=subprocess.STDOUT,

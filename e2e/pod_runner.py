@@ -6,7 +6,11 @@ processes match each one's `spec.replicas`:
   `--host 127.0.0.1 --port <free port>` and `PAGODA_MODEL` pointed at a local model folder; a Pod
   object is created with the template's labels, `podIP: 127.0.0.1` and the port in the annotation
   `serving.pagoda.dev/metrics-port` (every "pod" shares one IP here, so the port tells them apart);
-- readiness: `GET /ready` of each process becomes the Pod's Ready condition;
+- readiness: `GET /ready` of each process becomes the Pod's Ready condition and the server
+  container's `ready` in `containerStatuses`;
+- restarts: a process that exits is restarted in the same Pod (restartPolicy: Always; a cold
+  start), with `restartCount` + 1 and `lastState.terminated` (exit code, reason) as a kubelet
+  reports them;
 - stop (newest first): first out of the front's rotation and the Pod object deleted (as endpoints
   drop a terminating pod), then SIGTERM so the server drains its in-flight requests;
 - status: the Deployment's `status.replicas/readyReplicas/...` as the controller reports them;
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
+from pagoda.operator.autoscaling.collect import METRICS_PORT_ANNOTATION
+from pagoda.operator.render import SERVER_CONTAINER
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
@@ -49,6 +54,8 @@ class Replica:
     process: subprocess.Popen
     ready: bool = False
     routable: bool = True  # False once it is being stopped: the front sends it nothing new
+    restart_count: int = 0
+    last_exit: int | None = None  # the exit code of the previous process, after a restart
 
     @property
     def url(self) -> str:
@@ -118,8 +125,12 @@ class PodRunner:
     def ready_backends(self) -> list[str]:
         return [r.url for w in self.workloads.values() for r in w.replicas if r.ready and r.routable]
 
+    def ready_pods(self) -> dict[str, str]:
+        """{pod name: "127.0.0.1:port"} of the ready pods (what Prometheus discovery should see)."""
+        return {r.name: f"127.0.0.1:{r.port}" for w in self.workloads.values() for r in w.replicas if r.ready}
+
     def _notify(self) -> None:
-        ready = {r.name: f"127.0.0.1:{r.port}" for w in self.workloads.values() for r in w.replicas if r.ready}
+        ready = self.ready_pods()
         if ready != self._last_ready and self.on_change:
             self.on_change(ready)
         self._last_ready = ready
@@ -164,9 +175,9 @@ class PodRunner:
 
     async def _reconcile(self, workload: Workload, deployment: dict[str, Any]) -> None:
         desired = int(deployment["spec"].get("replicas", 1))
-        for replica in list(workload.replicas):
-            if replica.process.poll() is not None:  # crashed: the ReplicaSet replaces it
-                await self._stop_replica(workload, replica)
+        for replica in workload.replicas:
+            if (code := replica.process.poll()) is not None:  # the container exited: restart it in place
+                await self._restart_container(workload, replica, deployment, code)
         while len(workload.replicas) < desired:
             await self._start_replica(workload, deployment)
         while len(workload.replicas) > desired:
@@ -226,6 +237,26 @@ class PodRunner:
                           "conditions": [{"type": "Ready", "status": "False"}]}}
         await self._api("POST", f"/api/v1/namespaces/{workload.namespace}/pods", json=pod)
 
+    async def _restart_container(self, workload: Workload, replica: Replica, deployment: dict[str, Any],
+                                 code: int) -> None:
+        # A cold start, never the warm spare: a restarted container loads its model again, and the
+        # time it is gone is what the fault costs.
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        replica.port, replica.process = self._start_process(container)
+        replica.restart_count += 1
+        replica.last_exit = code
+        replica.ready = False
+        await self._api("PATCH", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}",
+                        json={"metadata": {"annotations": {METRICS_PORT_ANNOTATION: str(replica.port)}}},
+                        headers=MERGE)
+        await self._patch_pod_status(workload, replica)
+
+    def kill(self, index: int = 0, sig: int = signal.SIGKILL) -> Replica:
+        """Send `sig` to one serving process (the fault a lost node or an OOM kill is to a pod)."""
+        replica = [r for w in self.workloads.values() for r in w.replicas][index]
+        replica.process.send_signal(sig)
+        return replica
+
     def spares_ready(self) -> bool:
         return all(w.spare is None or w.spare.ready for w in self.workloads.values())
 
@@ -242,10 +273,20 @@ class PodRunner:
         ready = await self._answers_ready(replica.port)
         if ready != replica.ready:
             replica.ready = ready
-            condition = {"type": "Ready", "status": "True" if ready else "False"}
-            await self._api("PATCH", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}/status",
-                            json={"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [condition]}},
-                            headers=MERGE)
+            await self._patch_pod_status(workload, replica)
+
+    async def _patch_pod_status(self, workload: Workload, replica: Replica) -> None:
+        server: dict[str, Any] = {"name": SERVER_CONTAINER, "ready": replica.ready,
+                                  "restartCount": replica.restart_count, "state": {"running": {}}}
+        if replica.last_exit is not None:
+            # A kubelet names a signal death by its exit code 128 + n; -9 from Popen is SIGKILL.
+            code = 128 - replica.last_exit if replica.last_exit < 0 else replica.last_exit
+            server["lastState"] = {"terminated": {"exitCode": code, "reason": "Error"}}
+        condition = {"type": "Ready", "status": "True" if replica.ready else "False"}
+        await self._api("PATCH", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}/status",
+                        json={"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [condition],
+                                         "containerStatuses": [server]}},
+                        headers=MERGE)
 
     async def _stop_replica(self, workload: Workload, replica: Replica) -> None:
         replica.routable = False

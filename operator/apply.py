@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kopf._cogs.clients import api as kopf_api
-from kopf._core.engines.posting import settings_var
+from pagoda.operator import kube
 from pagoda.operator.kube import APIError, Logger, NotFound, path
 from pagoda.operator.render import FIELD_MANAGER, KINDS, ChildKind, Desired
 
@@ -26,14 +25,12 @@ def object_path(obj: dict[str, Any], **query: str) -> str:
 
 
 async def apply(obj: dict[str, Any], logger: Logger) -> dict[str, Any]:
-    return await kopf_api.patch(object_path(obj, fieldManager=FIELD_MANAGER, force="true"), payload=obj,
-                                headers=APPLY_PATCH, settings=settings_var.get(), logger=logger)
+    return await kube.patch(object_path(obj, fieldManager=FIELD_MANAGER, force="true"), obj, APPLY_PATCH, logger)
 
 
 async def delete_if_present(kind: ChildKind, namespace: str, name: str, logger: Logger) -> bool:
     try:
-        await kopf_api.delete(path(kind.api_version, kind.plural, namespace, name),
-                              settings=settings_var.get(), logger=logger)
+        await kube.delete(path(kind.api_version, kind.plural, namespace, name), logger)
     except NotFound:
         return False
     return True

@@ -1,21 +1,18 @@
 """The InferenceService CRD: the one schema in code, and its defaulting.
 
 `crds/inferenceservices.yaml` and `charts/pagoda/crds/inferenceservices.yaml` are generated from this module
-(`python -m pagoda.operator.crd --write`); a test fails when they are stale. The operator applies the
-same `default`s to what it reads (`with_defaults`), so a spec means the same thing whether or not the
-API server has defaulted it.
+(`python -m pagoda.operator.crd_generate --write`); a test fails when they are stale. The operator applies
+the same `default`s to what it reads (`with_defaults`), so a spec means the same thing whether or not the
+API server has defaulted it; the autoscaler's policy and the dashboards read their defaults from here too.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
-import yaml
+# The engine settings default to what `pagoda serve` itself defaults to (EngineArgs, the one definition).
+from pagoda.server.engine.config import DEFAULTS as ENGINE_DEFAULTS
 
 GROUP = "serving.pagoda.dev"
 VERSION = "v1alpha1"
@@ -110,15 +107,18 @@ RESOURCES = _obj("Compute resources and placement of each serving pod.", default
 
 ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment variables.", default={},
               properties={
-    "blockSize": _int("Tokens per KV-cache block.", default=16, enum=[8, 16, 32, 64, 128]),
+    "blockSize": _int("Tokens per KV-cache block.", default=ENGINE_DEFAULTS["block_size"], enum=[8, 16, 32, 64, 128]),
     "maxModelLen": _int("Max prompt + output tokens; default: the model's.", minimum=16, maximum=1048576),
-    "maxNumSeqs": _int("Max sequences in the running batch.", default=256, minimum=1, maximum=4096),
+    "maxNumSeqs": _int("Max sequences in the running batch.", default=ENGINE_DEFAULTS["max_num_seqs"], minimum=1, maximum=4096),
     "maxNumBatchedTokens": _int("Max tokens per engine step.", minimum=16, maximum=1048576),
-    "gpuMemoryUtilization": _num("Share of GPU memory for weights + KV cache.", default=0.9,
+    "gpuMemoryUtilization": _num("Share of GPU memory for weights + KV cache.",
+                                 default=ENGINE_DEFAULTS["gpu_memory_utilization"],
                                  minimum=0.05, maximum=0.99),
-    "enablePrefixCaching": _bool("Reuse KV blocks of shared prompt prefixes.", default=True),
-    "enableChunkedPrefill": _bool("Prefill long prompts in chunks.", default=True),
-    "dtype": _str("Weights/KV dtype.", default="auto", enum=["auto", "bfloat16", "float16", "float32"]),
+    "enablePrefixCaching": _bool("Reuse KV blocks of shared prompt prefixes.",
+                                 default=ENGINE_DEFAULTS["enable_prefix_caching"]),
+    "enableChunkedPrefill": _bool("Prefill long prompts in chunks.",
+                                  default=ENGINE_DEFAULTS["enable_chunked_prefill"]),
+    "dtype": _str("Weights/KV dtype.", default=ENGINE_DEFAULTS["dtype"], enum=["auto", "bfloat16", "float16", "float32"]),
     "seed": _int("Seed for requests without their own.", minimum=0),
     "extraArgs": {"type": "array", "description": "Extra `pagoda serve` arguments, appended verbatim.",
                   "items": {"type": "string", "maxLength": 1024}, "maxItems": 64},
@@ -328,74 +328,6 @@ def with_defaults(value: Any, node: dict[str, Any] | None = None) -> Any:
     return value
 
 
-def _validation_text(node: dict[str, Any]) -> str:
-    parts = []
-    for key, label in (("minimum", "≥"), ("maximum", "≤"), ("minItems", "items ≥"), ("maxItems", "items ≤"),
-                       ("maxLength", "length ≤")):
-        if key in node:
-            parts.append(f"{label} {node[key]}")
-    if "enum" in node:
-        parts.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
-    if "items" in node and "enum" in node["items"]:
-        parts.append("each one of " + ", ".join(f"`{v}`" for v in node["items"]["enum"]))
-    if "pattern" in node:
-        parts.append("pattern `" + node["pattern"].replace("|", "\\|") + "`")
-    parts += [f"CEL: {rule['message']}" for rule in node.get("x-kubernetes-validations", [])]
-    return "; ".join(parts)
-
-
-def _reference_rows(node: dict[str, Any], path: str) -> list[str]:
-    rows = []
-    required = set(node.get("required", []))
-    for name, child in node.get("properties", {}).items():
-        field = f"{path}.{name}"
-        kind = child.get("type", "")
-        if kind == "array" and isinstance(child.get("items"), dict):
-            kind = f"[]{child['items'].get('type', '')}"
-        default = f"`{json.dumps(child['default'])}`" if "default" in child and child["default"] != {} else ""
-        need = "required" if name in required else ""
-        description = child.get("description", "").replace("|", "\\|")
-        rows.append(f"| `{field}` | {kind} | {need or default} | {_validation_text(child)} | {description} |")
-        target = child["items"] if kind.startswith("[]") and "properties" in child.get("items", {}) else child
-        if "properties" in target:
-            rows += _reference_rows(target, f"{field}[]" if target is not child else field)
-    return rows
-
-
-def markdown_reference() -> str:
-    """The spec and status field tables of docs/inferenceservice.md (a test keeps the doc in step)."""
-    header = ["| field | type | default | validation | meaning |", "|---|---|---|---|---|"]
-    props = schema()["properties"]
-    spec_rows = _reference_rows({"properties": props["spec"]["properties"], "required": props["spec"]["required"]},
-                                "spec")
-    status_rows = _reference_rows(props["status"], "status")
-    return "\n".join(["### spec", "", *header, *spec_rows, "", "### status", "", *header, *status_rows]) + "\n"
-
-
-def render_yaml() -> str:
-    header = "# Generated by `python -m pagoda.operator.crd --write` from operator/crd.py. Do not edit.\n"
-    return header + yaml.safe_dump(crd(), sort_keys=False, width=110)
-
-
-OUTPUTS = ("crds/inferenceservices.yaml", "charts/pagoda/crds/inferenceservices.yaml")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print (or --write) the InferenceService CRD.")
-    parser.add_argument("--write", action="store_true", help=f"write {' and '.join(OUTPUTS)}")
-    parser.add_argument("--markdown", action="store_true", help="print the field reference tables instead")
-    parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root (for --write)")
-    args = parser.parse_args(argv)
-    text = markdown_reference() if args.markdown else render_yaml()
-    if not args.write or args.markdown:
-        sys.stdout.write(text)
-        return 0
-    for output in OUTPUTS:
-        path = args.root / output
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def section_defaults(name: str) -> dict[str, Any]:
+    """The defaulted fields of one spec section (`autoscaling`, `engine`, ...): the schema's own defaults."""
+    return with_defaults({}, SPEC["properties"][name])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from pagoda.operator import apply, crd, kube, metrics, render, routing, status
+from pagoda.operator import apply, crd, kube, operator_metrics, render, routing, status
 
 GROUP, VERSION, PLURAL = crd.GROUP, crd.VERSION, crd.PLURAL
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
@@ -99,9 +99,9 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, memo: kop
     try:
         await _reconcile(body, dict(spec), meta.get("generation", 0), memo, logger)
     except Exception:
-        metrics.RECONCILES.labels("error").inc()
+        operator_metrics.RECONCILES.labels("error").inc()
         raise
-    metrics.RECONCILES.labels("success").inc()
+    operator_metrics.RECONCILES.labels("success").inc()
 
 
 async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, memo: kopf.Memo,
@@ -112,7 +112,7 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
     monitors_served = await kube.serves(SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
     pools_served = await kube.serves(render.INFERENCE_POOL.api_version, render.INFERENCE_POOL.plural, logger)
     try:
-        desired = render.render(owner, spec, default_image=CONFIG.image(), service_monitors_served=monitors_served,
+        desired = render.render(owner, defaulted, default_image=CONFIG.image(), service_monitors_served=monitors_served,
                                 inference_pools_served=pools_served)
     except ValueError as exc:  # the schema refuses these; only an unvalidated object gets here
         raise kopf.PermanentError(str(exc)) from exc
@@ -121,7 +121,7 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
         await apply.apply_desired(desired, owner.namespace, logger)
     except apply.ApplyError as exc:
         apply_error = f"the API refused: {exc}"
-        metrics.ERRORS.labels("apply").inc()
+        operator_metrics.ERRORS.labels("apply").inc()
     monitor_state = optional_child_state(render.service_monitor_wanted(defaulted), monitors_served)
     pool_state = optional_child_state(routing.pool_wanted(defaulted), pools_served)
     async with _status_lock(memo):
@@ -131,7 +131,7 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
                                     previous=previous, service_monitor_state=monitor_state,
                                     inference_pool_state=pool_state)
         await _publish_status(body, memo, new, previous, logger)
-    metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
+    operator_metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
     if apply_error:
         raise kopf.TemporaryError(apply_error, delay=30)  # kopf retries; status says why meanwhile
 
@@ -152,7 +152,7 @@ async def refresh_status(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonS
                                                 now=_now(), previous=previous, service_monitor_state=None)
                     await _publish_status(body, memo, new, previous, logger)
                 except kube.APIError as exc:
-                    metrics.ERRORS.labels("status").inc()
+                    operator_metrics.ERRORS.labels("status").inc()
                     logger.warning(f"status refresh failed: {exc}")
         await stopped.wait(CONFIG.status_interval)
 

@@ -2,8 +2,9 @@
 
 kopf already holds the credentials (in-cluster service account, kubeconfig or a login handler),
 re-authenticates on 401 and retries transient errors, so the operator uses that one session for its
-own calls too (as the autoscaler does). kopf exposes it only under `kopf._cogs`, so every use is here.
-Writes to children live in `apply.py`; this module reads, plus the status patch of our own resource.
+own calls too (as the autoscaler does). kopf exposes it only under `kopf._cogs`, so every private
+kopf import of the project is here (the peering tests' too, at the bottom). What to write to children
+lives in `apply.py`; this module has the calls.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from urllib.parse import quote, urlencode
 
 from kopf._cogs.clients import api as kopf_api
 from kopf._cogs.clients import errors as kopf_errors
+from kopf._cogs.structs import references as peering_references  # the peering tests check the chart's CRDs
+from kopf._core.engines.peering import (
+    Identity as PeeringIdentity,  # with them, and operator identities with this
+)
 from kopf._core.engines.posting import settings_var
 from pagoda.operator import crd
 
@@ -36,9 +41,23 @@ def path(api_version: str, plural: str, namespace: str | None = None, name: str 
 
 async def get(url: str, logger: Logger) -> dict[str, Any] | None:
     try:
-        return await kopf_api.get(url, settings=settings_var.get(), logger=logger)
+        return await get_existing(url, logger)
     except NotFound:
         return None
+
+
+async def get_existing(url: str, logger: Logger) -> dict[str, Any]:
+    """GET that raises `NotFound` for a missing object."""
+    return await kopf_api.get(url, settings=settings_var.get(), logger=logger)
+
+
+async def patch(url: str, payload: Mapping[str, Any], headers: Mapping[str, str], logger: Logger) -> dict[str, Any]:
+    return await kopf_api.patch(url, payload=dict(payload), headers=dict(headers), settings=settings_var.get(),
+                                logger=logger)
+
+
+async def delete(url: str, logger: Logger) -> None:
+    await kopf_api.delete(url, settings=settings_var.get(), logger=logger)
 
 
 async def get_deployment(namespace: str, name: str, logger: Logger) -> dict[str, Any] | None:
@@ -58,6 +77,8 @@ async def serves(api_version: str, plural: str, logger: Logger) -> bool:
 
 async def patch_status(namespace: str, name: str, status: Mapping[str, Any], logger: Logger) -> None:
     """Merge-patch our InferenceService's status subresource (None values delete keys)."""
-    await kopf_api.patch(path(crd.API_VERSION, crd.PLURAL, namespace, name, "status"),
-                         payload={"status": dict(status)}, headers=MERGE_PATCH,
-                         settings=settings_var.get(), logger=logger)
+    await patch(path(crd.API_VERSION, crd.PLURAL, namespace, name, "status"), {"status": dict(status)},
+                MERGE_PATCH, logger)
+
+__all__ = ["MERGE_PATCH", "APIError", "Logger", "NotFound", "PeeringIdentity", "delete", "get", "get_deployment",
+           "get_existing", "list_pods", "patch", "patch_status", "path", "peering_references", "serves"]

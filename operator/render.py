@@ -7,7 +7,8 @@ Children (all owned by the InferenceService, so deleting it garbage-collects the
 - ServiceMonitor `<name>` when wanted and its CRD is installed;
 - InferencePool `<name>` when spec.routing.inferencePool asks and its CRD is installed (routing.py);
 - PodDisruptionBudget `<name>` when spec.replicas > 1.
-Every child's shape lives here, one function each, so the goldens review them together (hence the length).
+Every child's shape lives here, one function each, so the goldens review them together; where the
+weights come from (the model uri) is `weights.py`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda.operator import crd, routing
+from pagoda.operator.weights import (
+    MODELS_DIR,
+    WeightsSource,
+    served_name,
+    weights_claim,
+    weights_source,
+)
 
 FIELD_MANAGER = "pagoda-operator"
 SERVER_PORT = 8000
-MODELS_DIR = "/models"
-DOWNLOAD_MARKER = ".pagoda-download-complete"
 TEMPLATE_HASH_ANNOTATION = f"{crd.GROUP}/pod-template-hash"
 OWNER_LABEL = f"{crd.GROUP}/inferenceservice"
 SERVER_CONTAINER = "server"
@@ -45,68 +49,6 @@ class Owner:
     def of(cls, body: dict[str, Any]) -> Owner:
         meta = body["metadata"]
         return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the server reads the weights, and whether the operator makes and fills a PVC for them."""
-
-    scheme: str  # hf | pvc | file | embedded
-    model_path: str | None  # PAGODA_MODEL inside the container; None: the image's embedded default
-    claim: str | None = None  # the PVC mounted at /models
-    repo_id: str | None = None  # hf:// only
-    revision: str | None = None  # hf:// only
-
-    @property
-    def downloads(self) -> bool:
-        return self.scheme == "hf"
-
-
-# No uri: `pagoda serve` without --model serves the model the serving image embeds (SmolLM2-135M).
-EMBEDDED_MODEL = ModelSource("embedded", None)
-
-
-def model_source(model: dict[str, Any], owner_name: str) -> ModelSource:
-    return parse_model_uri(model["uri"], owner_name) if model.get("uri") else EMBEDDED_MODEL
-
-
-def parse_model_uri(uri: str, owner_name: str) -> ModelSource:
-    if not re.fullmatch(crd.MODEL_URI_PATTERN[1:-1], uri):
-        raise ValueError(f"unsupported model uri: {uri!r}")
-    scheme, rest = uri.split("://", 1)
-    if scheme == "hf":
-        repo_id, _, revision = rest.partition("@")
-        revision = revision or "main"
-        return ModelSource("hf", f"{MODELS_DIR}/hf/{repo_id}/{revision}", claim=weights_claim(owner_name),
-                           repo_id=repo_id, revision=revision)
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        return ModelSource("pvc", f"{MODELS_DIR}/{path}".rstrip("/"), claim=claim)
-    return ModelSource("file", rest)
-
-
-def weights_claim(name: str) -> str:
-    return f"{name}-weights"
-
-
-# What `pagoda serve` names the model embedded in the serving image (it names it after the GGUF file).
-EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
-
-
-def served_name(spec: Mapping[str, Any]) -> str | None:
-    """The OpenAI model name: spec.model.servedName, else the uri's last path part without @revision;
-    None for the embedded model (the server names it after the model)."""
-    model = spec.get("model") or {}
-    if model.get("servedName"):
-        return model["servedName"]
-    if not model.get("uri"):
-        return None
-    return model["uri"].split("://", 1)[1].split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-
-
-def client_model_name(spec: Mapping[str, Any]) -> str:
-    """The `model` clients send, whichever source the weights come from."""
-    return served_name(spec) or EMBEDDED_SERVED_NAME
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -146,22 +88,9 @@ def weights_pvc(owner: Owner, spec: dict[str, Any]) -> dict[str, Any]:
             "metadata": _metadata(owner, weights_claim(owner.name)), "spec": pvc_spec}
 
 
-# Runs in the serving image (it has huggingface_hub). The marker is written last, so an interrupted
-# download is resumed on the next start, and a present marker skips the hub entirely.
-DOWNLOAD_SCRIPT = f"""\
-import os, pathlib
-from huggingface_hub import snapshot_download
-target = pathlib.Path(os.environ["PAGODA_MODEL"])
-marker = target / "{DOWNLOAD_MARKER}"
-if marker.exists():
-    print(f"model already present in {{target}}, skipping download")
-else:
-    target.mkdir(parents=True, exist_ok=True)
-    snapshot_download(repo_id=os.environ["HF_REPO_ID"], revision=os.environ["HF_REVISION"],
-                      local_dir=target, token=os.environ.get("HF_TOKEN") or None)
-    marker.write_text(os.environ["HF_REVISION"])
-    print(f"downloaded {{os.environ['HF_REPO_ID']}}@{{os.environ['HF_REVISION']}} into {{target}}")
-"""
+# Runs in the serving image: server/model_download.py (marker checked first and written last, a
+# failure's cause as the termination message, which status.py carries into the Degraded condition).
+DOWNLOAD_COMMAND = ["python", "-m", "pagoda.server.model_download"]
 
 
 def _container_security() -> dict[str, Any]:
@@ -169,7 +98,7 @@ def _container_security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}}
 
 
-def download_container(spec: dict[str, Any], source: ModelSource, image: str) -> dict[str, Any]:
+def download_container(spec: dict[str, Any], source: WeightsSource, image: str) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "PAGODA_MODEL", "value": source.model_path},
         {"name": "HF_REPO_ID", "value": source.repo_id},
@@ -183,7 +112,8 @@ def download_container(spec: dict[str, Any], source: ModelSource, image: str) ->
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": secret["name"], "key": secret.get("key", "token")}}})
     container: dict[str, Any] = {
-        "name": DOWNLOAD_CONTAINER, "image": image, "command": ["python", "-c", DOWNLOAD_SCRIPT], "env": env,
+        "name": DOWNLOAD_CONTAINER, "image": image, "command": list(DOWNLOAD_COMMAND), "env": env,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
@@ -196,7 +126,7 @@ def download_container(spec: dict[str, Any], source: ModelSource, image: str) ->
 # --- the server Deployment ---------------------------------------------------------------------------
 
 
-def engine_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, str]]:
+def engine_env(spec: dict[str, Any], source: WeightsSource) -> list[dict[str, str]]:
     """`pagoda serve` flags as PAGODA_* variables (booleans as "true"/"false"): the only way we configure it."""
     engine = spec["engine"]
     values: dict[str, Any] = {
@@ -234,7 +164,7 @@ RUNTIME_ENV = [
 ]
 
 
-def server_env(spec: dict[str, Any], source: ModelSource) -> list[dict[str, Any]]:
+def server_env(spec: dict[str, Any], source: WeightsSource) -> list[dict[str, Any]]:
     """Ours first, then spec.env; a spec.env entry with the same name replaces ours in place."""
     user = {item["name"]: item for item in spec.get("env", [])}
     ours = [user.pop(item["name"], item) for item in [*engine_env(spec, source), *RUNTIME_ENV]]
@@ -254,7 +184,7 @@ def _health() -> dict[str, Any]:
     return {"path": "/health", "port": "http"}
 
 
-def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> dict[str, Any]:
+def server_container(spec: dict[str, Any], source: WeightsSource, image: str) -> dict[str, Any]:
     startup_periods = math.ceil(spec["startupTimeoutSeconds"] / 10)
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     if source.claim:
@@ -281,7 +211,7 @@ def server_container(spec: dict[str, Any], source: ModelSource, image: str) -> d
 
 
 def pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
-    source = model_source(spec["model"], owner.name)
+    source = weights_source(spec["model"], owner.name)
     resources = spec["resources"]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
@@ -385,12 +315,11 @@ def service_monitor_wanted(spec: dict[str, Any]) -> bool:
     return bool(spec["monitoring"]["serviceMonitor"])
 
 
-def render(owner: Owner, raw_spec: dict[str, Any], *, default_image: str,
+def render(owner: Owner, spec: dict[str, Any], *, default_image: str,
            service_monitors_served: bool, inference_pools_served: bool = False) -> Desired:
-    """All children for `raw_spec` (defaulted here with the CRD's own defaults)."""
-    spec = crd.with_defaults(raw_spec)
+    """All children for a spec the caller has defaulted once (`crd.with_defaults`)."""
     image = spec.get("image") or default_image
-    source = model_source(spec["model"], owner.name)
+    source = weights_source(spec["model"], owner.name)
     objects: list[dict[str, Any]] = []
     absent: list[tuple[ChildKind, str]] = []
     if source.downloads:

@@ -3,8 +3,9 @@
 Conditions (metav1.Condition shape):
 - Ready: every desired replica runs the current template and passes /ready.
 - Progressing: a rollout, a scale or a model download/load is under way.
-- Degraded: something needs a human: image pull, crash loop, unschedulable pod, failed download,
-  config error, stuck rollout, or children the API refused.
+- Degraded: something needs a human or costs capacity: image pull, crash loop, a server restarted
+  and not ready yet, unschedulable pod, failed download, config error, stuck rollout, or children
+  the API refused.
 - ServiceMonitor: whether the ServiceMonitor exists, and why not.
 - InferencePool (only when spec.routing.inferencePool asks): whether the pool exists, and why not.
 """
@@ -19,10 +20,10 @@ from pagoda.operator.render import (
     DOWNLOAD_CONTAINER,
     SERVER_CONTAINER,
     Owner,
-    client_model_name,
     endpoint,
     selector_string,
 )
+from pagoda.operator.weights import client_model_name
 
 PULL_FAILURES = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_FAILURES = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
@@ -48,6 +49,15 @@ def _last_exit(status: Mapping[str, Any]) -> str:
     return f" (last exit: {term.get('reason') or 'Error'}, code {term.get('exitCode', '?')})"
 
 
+def _download_failure(init: Mapping[str, Any]) -> str:
+    """The download's own words (its last log line, the kubelet's termination message), else its exit."""
+    term = (init.get("state") or {}).get("terminated") or (init.get("lastState") or {}).get("terminated") or {}
+    lines = [line.strip() for line in str(term.get("message") or "").splitlines() if line.strip()]
+    if lines:
+        return lines[-1][:500]
+    return f"the model download keeps failing{_last_exit(init)}"
+
+
 def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
     """Why this pod is not serving, read from its phase, conditions and container statuses."""
     name = pod.get("metadata", {}).get("name", "?")
@@ -67,10 +77,12 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
         if waiting.get("reason") in CONFIG_FAILURES:
             return PodProblem(waiting["reason"], f"pod {name}: {waiting.get('message') or waiting['reason']}",
                               failing=True)
-        if init.get("name") == DOWNLOAD_CONTAINER and "terminated" not in (init.get("state") or {}):
-            if waiting.get("reason") == "CrashLoopBackOff" or init.get("restartCount", 0) > 0:
-                return PodProblem("ModelDownloadFailed",
-                                  f"pod {name}: the model download keeps failing{_last_exit(init)}", failing=True)
+        if init.get("name") == DOWNLOAD_CONTAINER:
+            failed_now = ((init.get("state") or {}).get("terminated") or {}).get("exitCode", 0) != 0
+            retrying = "terminated" not in (init.get("state") or {}) and (
+                waiting.get("reason") == "CrashLoopBackOff" or init.get("restartCount", 0) > 0)
+            if failed_now or retrying:
+                return PodProblem("ModelDownloadFailed", f"pod {name}: {_download_failure(init)}", failing=True)
             if "running" in (init.get("state") or {}):
                 return PodProblem("ModelDownloading", f"pod {name}: downloading the model", failing=False)
     for container in status.get("containerStatuses") or []:
@@ -86,7 +98,14 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
                               f"{container.get('restartCount', 0)} restarts", failing=True)
         if reason in CONFIG_FAILURES:
             return PodProblem(reason, f"pod {name}: {waiting.get('message') or reason}", failing=True)
-        if "running" in (container.get("state") or {}) and not container.get("ready"):
+        running = "running" in (container.get("state") or {})
+        if running and not container.get("ready") and (container.get("lastState") or {}).get("terminated"):
+            # Restarted in place (killed, OOM, a dead engine loop): capacity is lost until it is ready.
+            return PodProblem("ServerRestarted",
+                              f"pod {name}: the server exited{_last_exit(container)} and was restarted "
+                              f"({container.get('restartCount', 0)} restarts); not serving until it is ready",
+                              failing=True)
+        if running and not container.get("ready"):
             return PodProblem("ModelLoading", f"pod {name}: the server is loading the model", failing=False)
     if status.get("phase") in (None, "Pending"):
         return PodProblem("PodStarting", f"pod {name}: starting", failing=False)

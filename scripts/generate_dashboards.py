@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagoda.operator.crd import section_defaults
+
 DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "charts" / "pagoda" / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# The autoscaler's default `targetKVCacheUsage` (chart contract); drawn as a threshold line.
-KV_CACHE_TARGET = 0.7
+# The autoscaler's default `targetKVCacheUsage` (the CRD schema's); drawn as a threshold line.
+KV_CACHE_TARGET = section_defaults("autoscaling")["targetKVCacheUsage"]
 # Serving pods: labels from the metric (`model_name`) and from the scrape (`namespace`, `pod`).
 SERVING = 'namespace=~"$namespace", model_name=~"$model_name", pod=~"$pod"'
 # The operator's gauge of the replicas it wants per InferenceService (pagoda_operator_* metrics).

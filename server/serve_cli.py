@@ -63,12 +63,15 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, EngineArgs.from_cli_args(args), args.host, args.port))
 
 
+ENGINE_DEATH_LINGER_S = 1.0  # after the engine loop died: /health and /ready answer 503, then exit 1
+
+
 async def _serve(config, engine_args, host: str, port: int) -> int:
     import asyncio
     import logging
     import signal
 
-    from pagoda.server.api.server import PagodaServer
+    from pagoda.server.api.lifecycle import PagodaServer
 
     log = logging.getLogger("pagoda.serve")
     server = PagodaServer(config, host, port)
@@ -85,6 +88,19 @@ async def _serve(config, engine_args, host: str, port: int) -> int:
         stopping.cancel()
         await server.drain_and_stop(timeout=0)
         return 1
+    if loading.done():
+        # A dead engine loop cannot recover in this process: exit non-zero so the kubelet restarts
+        # the container (its consumers already got their errors; /health already says 503).
+        died = asyncio.create_task(server.state.engine.wait_dead())
+        await asyncio.wait({died, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if died.done():
+            log.error("engine loop died: %r; exiting 1", died.result())
+            stopping.cancel()
+            # The error bodies go out, and probes and endpoints see 503 before the port closes.
+            await asyncio.sleep(ENGINE_DEATH_LINGER_S)
+            await server.drain_and_stop(timeout=0)
+            return 1
+        died.cancel()
     await stopping
     if not loading.done():  # stopped while loading: nothing in flight, wait for the load to end
         await asyncio.gather(loading, return_exceptions=True)

@@ -1,4 +1,8 @@
-"""`spec.autoscaling` → the decision's Policy and the collector's settings (defaults as in the CRD)."""
+"""`spec.autoscaling` → the decision's Policy and the collector's settings.
+
+The section is defaulted with the CRD schema's own defaults (`crd.with_defaults`), so no default is
+restated here: a missing field means what the API server would have filled in.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +10,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.operator import crd
 from pagoda.operator.autoscaling.decision import KV_CACHE_USAGE, QUEUE_DEPTH, Policy
+
+AUTOSCALING_SCHEMA = crd.SPEC["properties"]["autoscaling"]
+
+
+def defaulted(autoscaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    return crd.with_defaults(dict(autoscaling or {}), AUTOSCALING_SCHEMA)
 
 
 @dataclass(frozen=True)
 class Collection:
-    interval_s: float = 15.0
-    scrape_timeout_s: float = 2.0
+    interval_s: float
+    scrape_timeout_s: float
     prometheus_url: str | None = None
 
 
 def collection_from_spec(autoscaling: Mapping[str, Any] | None) -> Collection:
-    a = autoscaling or {}
-    return Collection(interval_s=float(a.get("intervalSeconds", 15)),
-                      scrape_timeout_s=float(a.get("scrapeTimeoutSeconds", 2)),
+    a = defaulted(autoscaling)
+    return Collection(interval_s=float(a["intervalSeconds"]), scrape_timeout_s=float(a["scrapeTimeoutSeconds"]),
                       prometheus_url=a.get("prometheusURL") or None)
 
 
 def policy_from_spec(autoscaling: Mapping[str, Any] | None) -> Policy:
-    a = autoscaling or {}
-    min_replicas = int(a.get("minReplicas", 1))
+    a = defaulted(autoscaling)
     return Policy(
-        min_replicas=min_replicas,
-        max_replicas=int(a.get("maxReplicas", min_replicas)),  # the CRD requires it when enabled
-        targets={KV_CACHE_USAGE: float(a.get("targetKVCacheUsage", 0.7)),
-                 QUEUE_DEPTH: float(a.get("targetQueueDepth", 4))},
-        tolerance=float(a.get("tolerance", 0.1)),
-        scale_up_stabilization_s=float(a.get("scaleUpStabilizationSeconds", 0)),
-        scale_down_stabilization_s=float(a.get("scaleDownStabilizationSeconds", 300)),
-        scale_up_max_pods_per_step=int(a.get("scaleUpMaxPodsPerStep", 4)),
-        scale_up_max_percent_per_step=float(a.get("scaleUpMaxPercentPerStep", 100)),
+        min_replicas=int(a["minReplicas"]),
+        max_replicas=int(a.get("maxReplicas", a["minReplicas"])),  # no default: the CRD requires it when enabled
+        targets={KV_CACHE_USAGE: float(a["targetKVCacheUsage"]), QUEUE_DEPTH: float(a["targetQueueDepth"])},
+        tolerance=float(a["tolerance"]),
+        scale_up_stabilization_s=float(a["scaleUpStabilizationSeconds"]),
+        scale_down_stabilization_s=float(a["scaleDownStabilizationSeconds"]),
+        scale_up_max_pods_per_step=int(a["scaleUpMaxPodsPerStep"]),
+        scale_up_max_percent_per_step=float(a["scaleUpMaxPercentPerStep"]),
     )

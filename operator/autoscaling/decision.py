@@ -23,6 +23,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagoda.operator import crd
+
 KV_CACHE_USAGE = "kvCacheUsage"
 QUEUE_DEPTH = "queueDepth"
 
@@ -39,19 +41,23 @@ class PodObservation:
         return self.values.get(metric) if self.ready else None
 
 
+CRD_DEFAULTS = crd.section_defaults("autoscaling")  # a bare Policy() means what an empty spec means
+
+
 @dataclass(frozen=True)
 class Policy:
-    """The knobs of `spec.autoscaling` (defaults = the CRD's defaults)."""
+    """The knobs of `spec.autoscaling`; each default is the CRD schema's (`config.py` maps a spec here)."""
 
-    min_replicas: int = 1
-    max_replicas: int = 4
-    targets: Mapping[str, float] = field(default_factory=lambda: {KV_CACHE_USAGE: 0.7, QUEUE_DEPTH: 4.0})
-    tolerance: float = 0.1
-    scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 300.0
+    min_replicas: int = CRD_DEFAULTS["minReplicas"]
+    max_replicas: int = 4  # the CRD has no default: it requires maxReplicas when enabled
+    targets: Mapping[str, float] = field(default_factory=lambda: {
+        KV_CACHE_USAGE: float(CRD_DEFAULTS["targetKVCacheUsage"]), QUEUE_DEPTH: float(CRD_DEFAULTS["targetQueueDepth"])})
+    tolerance: float = CRD_DEFAULTS["tolerance"]
+    scale_up_stabilization_s: float = CRD_DEFAULTS["scaleUpStabilizationSeconds"]
+    scale_down_stabilization_s: float = CRD_DEFAULTS["scaleDownStabilizationSeconds"]
     # Per decision step, the larger of the two limits wins (HPA's default selectPolicy: Max).
-    scale_up_max_pods_per_step: int = 4
-    scale_up_max_percent_per_step: float = 100.0
+    scale_up_max_pods_per_step: int = CRD_DEFAULTS["scaleUpMaxPodsPerStep"]
+    scale_up_max_percent_per_step: float = CRD_DEFAULTS["scaleUpMaxPercentPerStep"]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ count; a Warning Event tells objects that ask for the built-in one).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -22,15 +23,16 @@ from typing import Any
 
 import aiohttp
 import kopf
-from pagoda.operator import crd, metrics
-from pagoda.operator.autoscaling import kube, report
+from pagoda.operator import crd, operator_metrics
+from pagoda.operator.autoscaling import kube, scale_status
+from pagoda.operator.autoscaling.collect import PodSample, query_prometheus, scrape_pods
 from pagoda.operator.autoscaling.config import Collection, collection_from_spec, policy_from_spec
 from pagoda.operator.autoscaling.decision import PodObservation, Recommendation, decide
-from pagoda.operator.autoscaling.metrics import PodSample, query_prometheus, scrape_pods
 from pagoda.operator.autoscaling.pods import is_ready, live_pods, scrape_target
 
 HISTORY_MEMO_KEY = "autoscaler_history"
 WARNED_MEMO_KEY = "autoscaler_off_warned"
+SOURCE_DOWN_MEMO_KEY = "autoscaler_source_down_since"
 
 
 class Switch:
@@ -69,13 +71,36 @@ async def collect(collection: Collection, namespace: str,
     return await scrape_pods([scrape_target(p) for p in ready_pods], timeout=collection.scrape_timeout_s)
 
 
+def source_failure(collection: Collection, samples: Mapping[str, PodSample | str]) -> str | None:
+    """Why the metrics source as a whole did not answer (Prometheus down), or None. Per-pod scrape
+    failures are not this: those pods count as missing, the others still decide."""
+    errors = list(samples.values())
+    if collection.prometheus_url and errors and all(isinstance(e, str) and e.startswith("prometheus:")
+                                                    for e in errors):
+        return errors[0]
+    return None
+
+
+def report_source(failure: str | None, memo: MutableMapping[str, Any], body: Any, now: float) -> None:
+    """One Warning Event when the metrics source goes away, one Normal Event when it is back."""
+    down_since = memo.get(SOURCE_DOWN_MEMO_KEY)
+    if failure and down_since is None:
+        memo[SOURCE_DOWN_MEMO_KEY] = now
+        kopf.event(body, type="Warning", reason="MetricsUnavailable",
+                   message=f"holding spec.replicas until the metrics source answers: {failure}"[:1000])
+    elif not failure and down_since is not None:
+        del memo[SOURCE_DOWN_MEMO_KEY]
+        kopf.event(body, type="Normal", reason="MetricsAvailable",
+                   message=f"the metrics source answers again after {now - down_since:.0f} s; scaling resumes")
+
+
 def known_history(memo: MutableMapping[str, Any], status: Mapping[str, Any], current: int,
                   now: float) -> tuple[Recommendation, ...]:
     """Recent recommendations: from memory; after a restart from status; else assume the current count
     was just recommended (a fresh operator never scales down before one window has passed)."""
     if HISTORY_MEMO_KEY in memo:
         return memo[HISTORY_MEMO_KEY]
-    return report.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
+    return scale_status.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
 
 
 async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], status: Mapping[str, Any],
@@ -90,11 +115,13 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
     pods = live_pods(await kube.list_pods(namespace, selector, logger))
     ready = [p for p in pods if is_ready(p)]
     not_ready = [p["metadata"]["name"] for p in pods if not is_ready(p)]
-    samples = await collect(collection_from_spec(autoscaling), namespace, ready)
+    collection = collection_from_spec(autoscaling)
+    samples = await collect(collection, namespace, ready)
     now = wall_clock()
+    failure = source_failure(collection, samples)
 
     status_patch: dict[str, Any] = {}
-    if (kv_cache := report.kv_cache_status(samples, now)) is not None:
+    if (kv_cache := scale_status.kv_cache_status(samples, now)) is not None:
         status_patch["kvCache"] = kv_cache
     if autoscaling.get("enabled") and not SWITCH.enabled and not memo.get(WARNED_MEMO_KEY):
         memo[WARNED_MEMO_KEY] = True
@@ -106,6 +133,10 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
                         for n, s in samples.items()] + [PodObservation(n, False) for n in not_ready]
         history = known_history(memo, status, current, now)
         decision = decide(current, observations, policy_from_spec(autoscaling), history, now)
+        if failure:  # no data is not zero load: hold (decide keeps the count when no pod has a sample)
+            decision = dataclasses.replace(
+                decision, reason=f"metrics source unavailable, holding {current} replicas: {failure}"[:1000])
+        report_source(failure, memo, body, now)
         memo[HISTORY_MEMO_KEY] = decision.history
         scaled_at = None
         if decision.direction != "none":
@@ -116,8 +147,8 @@ async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], sta
             # kopf.event, not kopf.info: the operator posts only WARNING+ of kopf's own chatter.
             kopf.event(body, type="Normal", reason="Scaled" + decision.direction.capitalize(),
                        message=message[:1000])
-            metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
-        status_patch["autoscaling"] = report.autoscaling_status(
+            operator_metrics.SCALE_DECISIONS.labels(namespace, name, decision.direction).inc()
+        status_patch["autoscaling"] = scale_status.autoscaling_status(
             decision, samples, not_ready, status.get("autoscaling"), scaled_at)
     elif status.get("autoscaling") is not None:
         # Switched off: a stale decision in status would mislead; re-enabling starts a fresh window.
@@ -138,6 +169,6 @@ async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spe
             logger.debug("autoscaler: the InferenceService is gone")
         except (kube.APIError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # A missed round is harmless: the next one starts from fresh observations.
-            metrics.ERRORS.labels("autoscale").inc()
+            operator_metrics.ERRORS.labels("autoscale").inc()
             logger.warning(f"autoscaler: round skipped: {exc!r}")
         await stopped.wait(collection_from_spec(spec.get("autoscaling")).interval_s)

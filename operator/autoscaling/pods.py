@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagoda.operator.autoscaling.metrics import DEFAULT_METRICS_PORT, METRICS_PORT_ANNOTATION, PodTarget
+from pagoda.operator.autoscaling.collect import DEFAULT_METRICS_PORT, METRICS_PORT_ANNOTATION, PodTarget
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 from pagoda.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.alive
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine else None

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.fault_injection import step_fault
 from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._died: asyncio.Future[BaseException] | None = None  # set when the step loop fails
 
     # ---- properties -------------------------------------------------------------------------------
     @property
@@ -96,6 +98,7 @@ class AsyncLLMEngine:
             return
         loop = asyncio.get_running_loop()
         built: asyncio.Future[None] = loop.create_future()
+        self._died = loop.create_future()
         self._thread = threading.Thread(
             target=self._run, args=(loop, built), name="pagoda-engine-loop", daemon=True
         )
@@ -106,6 +109,11 @@ class AsyncLLMEngine:
             await loop.run_in_executor(None, self._thread.join)
             self._thread = None
             raise
+
+    async def wait_dead(self) -> BaseException:
+        """Return the step loop's exception once it has failed (never returns on a healthy engine)."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -171,13 +179,14 @@ class AsyncLLMEngine:
 
     # ---- liveness (only this front knows whether its loop runs) --------------------------------------
     @property
-    def loop_alive(self) -> bool:
+    def alive(self) -> bool:
+        """The step loop runs: started, and neither failed nor shut down."""
         with self._lock:
             return self._thread is not None and not self._thread_done and self._error is None
 
     def health(self) -> tuple[bool, str]:
         """(alive, why): the loop thread runs and, when it has work, keeps finishing steps."""
-        if not self.loop_alive:
+        if not self.alive:
             return False, "engine loop is not running"
         with self._lock:
             busy = self._stats.num_running + self._stats.num_waiting > 0
@@ -224,6 +233,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)
+        fault = step_fault()
         try:
             while True:
                 with self._lock:
@@ -255,6 +265,8 @@ class AsyncLLMEngine:
                     engine.abort_request(request_id)
                 for request in inbox:
                     engine.enqueue(request)
+                if fault is not None:
+                    fault()
                 outputs = engine.step() if engine.has_unfinished() else []
                 with self._lock:
                     for output in outputs:
@@ -273,6 +285,7 @@ class AsyncLLMEngine:
                 for stream in self._streams.values():
                     stream.put(exc)
                 self._streams.clear()
+            loop.call_soon_threadsafe(_settle, self._died, exc, None)
         finally:
             with self._lock:
                 self._refresh_stats()

@@ -14,6 +14,7 @@ import torch
 from pagoda.server.engine import prompt_logprobs, validation
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.capacity import capacity_report
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
@@ -21,12 +22,12 @@ from pagoda.server.engine.device_peaks import device_peaks
 from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
-from pagoda.server.engine.plan_cli import capacity_report
+from pagoda.server.engine.parallel.group import SINGLE
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
-from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.sequence import Request, Sequence
 from pagoda.server.engine.step_histograms import StepHistograms
 from pagoda.server.engine.validation import RequestError
 
@@ -51,14 +52,36 @@ def resolve_device(device: str) -> torch.device:
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs, loaded=None) -> None:
         """`loaded`: an already loaded `LoadedModel` (tests share one across engines)."""
-        from pagoda.server.engine.loader import load_model
-
         self.engine_args = args = engine_args
         device = resolve_device(args.device)
+        tp_group = None
+        if args.tensor_parallel_size > 1 or args.nnodes > 1:
+            from pagoda.server.engine.parallel.executor import start_group
+
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size: each rank loads its own shard; pass no model")
+            tp_group = start_group(args, device)
+            args = tp_group.args
+        try:
+            self._build(args, device, loaded, tp_group)
+        except BaseException:
+            if tp_group is not None:  # the workers wait for commands that will never come
+                tp_group.abort()
+            raise
+
+    def _build(self, args: EngineArgs, device: torch.device, loaded, tp_group) -> None:
+        from pagoda.server.engine.loader import load_model
+
         if device.type == "cpu":
             set_cpu_threads(args.cpu_threads)
         if loaded is None:
-            loaded = load_model(args.model, dtype=args.dtype, device=device, quantization=args.quantization)
+            loaded = load_model(
+                args.model,
+                dtype=args.dtype,
+                device=device,
+                quantization=args.quantization,
+                tp=tp_group.tp if tp_group else SINGLE,
+            )
         self.loaded = loaded
         self.model_name: str = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -88,7 +111,12 @@ class LLMEngine:
         self.spec = KVCacheSpec(
             model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
         )
-        self.runner = ModelRunner(model, self.spec, loaded.device)
+        if tp_group is None:
+            self.runner = ModelRunner(model, self.spec, loaded.device)
+        else:
+            from pagoda.server.engine.parallel.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, self.spec, loaded.device, tp_group)
         num_blocks = args.num_blocks or self.runner.num_blocks_for_budget(
             args.kv_cache_memory, args.gpu_memory_utilization, batch_tokens
         )
@@ -109,6 +137,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(args.seed)
         self.beam_search = BeamSearch(self.block_manager)
+        self._stopped: list[Sequence] = []  # finished or pruned during a step, released after it
         self.requests: dict[str, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -169,13 +198,8 @@ class LLMEngine:
 
     def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
         """A request that can never fit in the pool, even alone, is refused up front."""
-        size, pool = self.block_manager.block_size, self.block_manager.num_blocks
-        width = params.num_seqs
-        tail = max_total - prompt_len
-        if width == 1:
-            needed = -(-max_total // size)
-        else:  # the prompt's blocks once, then each sequence's own tail plus a copied partial block
-            needed = -(-prompt_len // size) + width * (-(-tail // size) + 1)
+        pool, width, tail = self.block_manager.num_blocks, params.num_seqs, max_total - prompt_len
+        needed = self.block_manager.blocks_for_request(prompt_len, max_total, width)
         if needed > pool:
             raise RequestError(
                 "prompt",
@@ -212,7 +236,7 @@ class LLMEngine:
     def _finish_aborted(self, request: Request) -> RequestOutput:
         """Mark a request whose blocks are already freed as aborted and forget it."""
         for seq in request.live_seqs():
-            seq.status = SequenceStatus.FINISHED
+            seq.finished = True
             seq.finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
@@ -222,6 +246,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a one-rank engine holds nothing to stop)."""
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -248,6 +278,8 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
         touched = self._process(logits, sampled)
+        self.scheduler.release(self._stopped)  # sequences that finished or were pruned this step
+        self._stopped.clear()
         outputs = dropped
         now = time.monotonic()
         for request in touched:
@@ -315,8 +347,7 @@ class LLMEngine:
         """n > 1: after the prompt, the first sequence forks into n that share its blocks."""
         leader = request.seqs[0]
         for index in range(1, request.params.n):
-            child = leader.fork(index)
-            self.block_manager.fork(leader, child)
+            child = self.block_manager.fork(leader, index)
             if request.params.seed is not None:
                 child.generator = torch.Generator().manual_seed(
                     hash((request.params.seed, index)) & (2**62 - 1)
@@ -354,9 +385,9 @@ class LLMEngine:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.status = SequenceStatus.FINISHED
+        seq.finished = True
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.block_manager.free(seq)  # finished sequences leave at once
+        self._stopped.append(seq)  # its blocks go back at the end of this step
 
     def _beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
         now = time.monotonic()
@@ -365,7 +396,7 @@ class LLMEngine:
             self.prompt_tokens += request.seqs[0].prompt_len
         request.metrics.last_token_time = now
         self.generation_tokens += len(beams)
-        self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
+        self._stopped += self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
         request.forked = True
 
     # ---- introspection ------------------------------------------------------------------------------

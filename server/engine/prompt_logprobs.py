@@ -64,18 +64,31 @@ def _plan(out: SchedulerOutput) -> list[tuple[Request, int, list[int], list[int]
     return plans
 
 
+def prompt_score_rows(out: SchedulerOutput) -> list[int]:
+    """The packed rows whose logits `score_prompt_tokens` computes this step."""
+    return [r for _, _, plan_rows, _ in _plan(out) for r in plan_rows]
+
+
+def prompt_logit_slices(model, hidden: torch.Tensor, rows: list[int]):
+    """(first row index, logits) per slice of `rows`. Under tensor parallelism every rank runs this
+    with the same rows: the LM head is a collective."""
+    index = torch.tensor(rows, device=hidden.device)
+    for lo in range(0, len(rows), ROWS_PER_SLICE):
+        yield lo, model.compute_logits(hidden[index[lo : lo + ROWS_PER_SLICE]])
+
+
 @torch.inference_mode()
 def score_prompt_tokens(model, hidden: torch.Tensor, out: SchedulerOutput) -> list[PromptScores]:
     """Scores for every prompt position this step runs for a request that asks; [] when none asks."""
     plans = _plan(out)
     if not plans:
         return []
-    rows = torch.tensor([r for _, _, plan_rows, _ in plans for r in plan_rows], device=hidden.device)
+    rows = [r for _, _, plan_rows, _ in plans for r in plan_rows]
     targets = torch.tensor([t for _, _, _, plan_targets in plans for t in plan_targets], device=hidden.device)
     top_k = max(request.params.prompt_logprobs or 0 for request, _, _, _ in plans)
     chosen, ranks, top_values, top_ids = [], [], [], []
-    for lo in range(0, len(rows), ROWS_PER_SLICE):
-        logprobs = torch.log_softmax(model.compute_logits(hidden[rows[lo : lo + ROWS_PER_SLICE]]).float(), -1)
+    for lo, logits in prompt_logit_slices(model, hidden, rows):
+        logprobs = torch.log_softmax(logits.float(), -1)
         own = logprobs.gather(1, targets[lo : lo + ROWS_PER_SLICE, None])
         chosen += own.squeeze(1).tolist()
         ranks += ((logprobs > own).sum(-1) + 1).tolist()

@@ -14,7 +14,13 @@ from pagoda.operator.autoscaling.decision import (
     decide,
 )
 
-POLICY = Policy(min_replicas=1, max_replicas=8)  # targets: KV 0.7, queue 4; tolerance 0.1; down window 300 s
+POLICY = Policy(min_replicas=1, max_replicas=8)  # every other knob: the CRD's defaults
+
+
+def test_the_cases_below_assume_the_crd_defaults() -> None:
+    """The expected replica counts are worked out for these values; a changed default fails here first."""
+    assert (POLICY.targets, POLICY.tolerance, POLICY.scale_down_stabilization_s) == (
+        {KV_CACHE_USAGE: 0.7, QUEUE_DEPTH: 4.0}, 0.1, 300)
 
 
 def pods(*samples: tuple[float, float] | None) -> list[PodObservation]:

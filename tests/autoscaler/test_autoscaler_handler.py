@@ -21,7 +21,7 @@ import kopf
 import pytest
 from pagoda.operator import crd
 from pagoda.operator.autoscaling import handlers
-from pagoda.operator.autoscaling.metrics import METRICS_PORT_ANNOTATION
+from pagoda.operator.autoscaling.collect import METRICS_PORT_ANNOTATION
 from support.autoscaler_pods import FakePod, FakePodFarm, metrics_text
 from support.kube_emulator import KubeEmulator, declare_builtin_resources
 

@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from pagoda.operator.autoscaling import metrics
-from pagoda.operator.autoscaling.decision import KV_CACHE_USAGE, QUEUE_DEPTH
-from pagoda.operator.autoscaling.metrics import (
+from pagoda.operator.autoscaling import collect
+from pagoda.operator.autoscaling.collect import (
     MetricsError,
     PodSample,
     PodTarget,
@@ -18,6 +17,7 @@ from pagoda.operator.autoscaling.metrics import (
     query_prometheus,
     scrape_pods,
 )
+from pagoda.operator.autoscaling.decision import KV_CACHE_USAGE, QUEUE_DEPTH
 from support.autoscaler_pods import FakePodFarm, metrics_text
 from support.prometheus import PrometheusServer, prometheus_binary
 
@@ -45,7 +45,7 @@ def test_parse_refuses_incomplete_or_garbage_text() -> None:
 def test_metric_names_are_in_the_contract() -> None:
     """Every pagoda_* name the autoscaler reads is listed in docs/metrics.md."""
     documented = set(re.findall(r"`(pagoda_[a-z_]+)`", (ROOT / "docs/metrics.md").read_text()))
-    used = set(re.findall(r'"(pagoda_[a-z_]+)"', Path(metrics.__file__).read_text()))
+    used = set(re.findall(r'"(pagoda_[a-z_]+)"', Path(collect.__file__).read_text()))
     assert used, "no metric names found in the module"
     assert used <= documented, used - documented
 
@@ -75,9 +75,9 @@ async def test_scrape_pods_concurrently_with_a_short_timeout(fake_pods: FakePodF
 
 
 def test_parse_the_real_servers_exposition() -> None:
-    """The serving pod's own metrics code (server/metrics.py) with a fixed engine snapshot."""
+    """The serving pod's own metrics code (server/pod_metrics.py) with a fixed engine snapshot."""
     from pagoda.server.engine.outputs import EngineStats
-    from pagoda.server.metrics import ServerMetrics
+    from pagoda.server.pod_metrics import ServerMetrics
 
     server_metrics = ServerMetrics("tiny")
     with pytest.raises(MetricsError):  # model still loading: no engine gauges yet → a missing pod

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pagoda.operator import crd
 from pagoda.operator.autoscaling.config import collection_from_spec, policy_from_spec
-from pagoda.operator.autoscaling.decision import KV_CACHE_USAGE, QUEUE_DEPTH, Decision, Recommendation
+from pagoda.operator.autoscaling.decision import KV_CACHE_USAGE, QUEUE_DEPTH, Decision, Policy, Recommendation
 from pagoda.operator.autoscaling.pods import is_ready, live_pods, scrape_target
-from pagoda.operator.autoscaling.report import history_from_status, history_to_status, with_removals
+from pagoda.operator.autoscaling.scale_status import history_from_status, history_to_status, with_removals
 
 
 def pod(
@@ -78,10 +79,15 @@ def test_live_pods_skip_terminating_and_finished() -> None:
 
 
 def test_policy_defaults_and_overrides() -> None:
+    crd_default = crd.section_defaults("autoscaling")  # the one definition: the CRD schema's defaults
     default = policy_from_spec({"enabled": True, "maxReplicas": 5})
-    assert (default.min_replicas, default.max_replicas, default.tolerance) == (1, 5, 0.1)
-    assert default.targets == {KV_CACHE_USAGE: 0.7, QUEUE_DEPTH: 4.0}
-    assert (default.scale_up_stabilization_s, default.scale_down_stabilization_s) == (0, 300)
+    assert default == Policy(max_replicas=5)  # a bare Policy carries the same defaults
+    assert (default.min_replicas, default.max_replicas, default.tolerance) == (
+        crd_default["minReplicas"], 5, crd_default["tolerance"])
+    assert default.targets == {KV_CACHE_USAGE: crd_default["targetKVCacheUsage"],
+                               QUEUE_DEPTH: crd_default["targetQueueDepth"]}
+    assert (default.scale_up_stabilization_s, default.scale_down_stabilization_s) == (
+        crd_default["scaleUpStabilizationSeconds"], crd_default["scaleDownStabilizationSeconds"])
     custom = policy_from_spec(
         {
             "minReplicas": 2,
@@ -98,7 +104,7 @@ def test_policy_defaults_and_overrides() -> None:
     collection = collection_from_spec({"intervalSeconds": 5, "prometheusURL": "http://prom:9090"})
     assert (collection.interval_s, collection.scrape_timeout_s, collection.prometheus_url) == (
         5,
-        2,
+        crd_default["scrapeTimeoutSeconds"],
         "http://prom:9090",
     )
 

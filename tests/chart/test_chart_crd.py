@@ -29,7 +29,7 @@ def test_the_crd_is_the_contract_one(render):
 def test_the_peering_crds_are_the_ones_kopf_uses(render):
     """kopf's own peering selectors match them (so `--peering` finds them), with the scope kopf peers
     in, and a status that keeps what kopf writes there (one key per operator replica)."""
-    from kopf._cogs.structs import references
+    from pagoda.operator.kube import peering_references as references
 
     peerings = [
         obj

@@ -75,7 +75,7 @@ def serving_pod(tmp_path_factory):
 @pytest.fixture(scope="module")
 def operator_metrics():
     """The operator's real metrics module on a free port, valued as the autoscaler sets it."""
-    from pagoda.operator.metrics import DESIRED_REPLICAS
+    from pagoda.operator.operator_metrics import DESIRED_REPLICAS
     from prometheus_client import start_http_server
 
     DESIRED_REPLICAS.labels(namespace=NAMESPACE, name=MODEL).set(1)

@@ -36,7 +36,7 @@ async def test_concurrent_streams_are_deltas_and_match_offline(engine, llama):
         assert "".join(c.text for d in deltas for c in d.outputs) == offline.outputs[0].text
         assert [e for d in deltas for c in d.outputs for e in c.logprobs] == offline.outputs[0].logprobs
     stats = engine.stats()
-    assert engine.loop_alive and stats.generation_tokens == 24 and stats.num_running == 0
+    assert engine.alive and stats.generation_tokens == 24 and stats.num_running == 0
     assert stats.step_histograms.tokens.sum == 20 + 3 + 2 * 11
     assert engine.stats().step_histograms.tokens.sum == 20 + 3 + 2 * 11  # a read drains nothing
     assert engine.health() == (True, "ok")
@@ -76,8 +76,8 @@ async def test_explicit_abort(engine):
 
 async def test_liveness_is_the_async_fronts_own(llama):
     engine = AsyncLLMEngine(EngineArgs(device="cpu", kv_cache_memory=16 << 20), loaded=llama.loaded)
-    assert not engine.loop_alive  # not started
+    assert not engine.alive  # not started
     await engine.start()
-    assert engine.loop_alive and engine.health() == (True, "ok")
+    assert engine.alive and engine.health() == (True, "ok")
     await engine.shutdown()
-    assert not engine.loop_alive and engine.health() == (False, "engine loop is not running")
+    assert not engine.alive and engine.health() == (False, "engine loop is not running")

@@ -19,8 +19,8 @@ import kmock
 import kopf
 import kubernetes.config.kube_config
 import yaml
-from kopf._core.engines.peering import Identity
 from pagoda.operator import crd, handlers
+from pagoda.operator.kube import PeeringIdentity
 from support.kube_emulator import declare_builtin_resources, declare_crd
 
 NS = "ml"
@@ -109,7 +109,7 @@ async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] 
             asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces or (),
                                       peering_name=peering, standalone=peering is None,
                                       liveness_endpoint=liveness,
-                                      identity=Identity(identity), priority=priority,
+                                      identity=PeeringIdentity(identity), priority=priority,
                                       stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_validation import admission_errors, all_rules, cel_errors, structural_problems
-from pagoda.operator import crd
+from pagoda.operator import crd, crd_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -18,10 +18,10 @@ BAD = sorted((ROOT / "examples" / "bad").glob("*.yaml"))
 K8S_VERSION = kubernetes_validate.latest_version()
 
 
-@pytest.mark.parametrize("output", crd.OUTPUTS)
+@pytest.mark.parametrize("output", crd_generate.OUTPUTS)
 def test_generated_crd_files_are_up_to_date(output):
-    assert (ROOT / output).read_text() == crd.render_yaml(), (
-        "stale: run `python -m pagoda.operator.crd --write`"
+    assert (ROOT / output).read_text() == crd_generate.render_yaml(), (
+        "stale: run `python -m pagoda.operator.crd_generate --write`"
     )
 
 
@@ -127,7 +127,7 @@ def test_defaults_fill_sections_the_user_left_out():
 def test_doc_reference_is_the_generated_one():
     doc = (ROOT / "docs" / "inferenceservice.md").read_text()
     section = doc.split("<!-- reference:begin -->\n", 1)[1].split("<!-- reference:end -->", 1)[0]
-    assert section == crd.markdown_reference(), "regenerate with `python -m pagoda.operator.crd --markdown`"
+    assert section == crd_generate.markdown_reference(), "regenerate with `python -m pagoda.operator.crd_generate --markdown`"
 
 
 def test_doc_reference_lists_every_spec_field():
@@ -138,6 +138,6 @@ def test_doc_reference_lists_every_spec_field():
             yield from paths(child, f"{prefix}.{name}") if "properties" in child else ()
             yield from paths(items, f"{prefix}.{name}[]") if "properties" in items else ()
 
-    reference = crd.markdown_reference()
+    reference = crd_generate.markdown_reference()
     missing = [p for p in paths(crd.schema()["properties"]["spec"], "spec") if f"| `{p}` |" not in reference]
     assert missing == []

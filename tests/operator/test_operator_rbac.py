@@ -178,9 +178,9 @@ def autoscaler_only_calls() -> set[tuple[str, str, str]]:
     """Calls the autoscaler makes that this run does not trigger (its timer needs real pods to scrape)."""
     source = AUTOSCALER_KUBE.read_text() if AUTOSCALER_KUBE.exists() else ""
     calls = set()
-    if '"scale"' in source and "kopf_api.get(" in source:
+    if '"scale"' in source and "get_existing(" in source:
         calls.add(("serving.pagoda.dev", "inferenceservices/scale", "get"))
-    if '"scale"' in source and "kopf_api.patch(" in source:
+    if '"scale"' in source and "await patch(" in source:
         calls.add(("serving.pagoda.dev", "inferenceservices/scale", "patch"))
     return calls
 

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_validation import admission_errors, foreign_admission_errors
-from pagoda.operator import crd, render
+from pagoda.operator import crd, render, weights
 from support.readme_cluster_path import ROOT, blocks, command, inline_applies, section
 from test_operator_routing import KEDA_SCHEMA
 
@@ -77,7 +77,7 @@ def test_the_names_used_after_the_apply_are_the_example_s():
     (get,) = command("kubectl", "get")
     assert get[2] in crd.SHORT_NAMES and get[-2:] == [name, "-w"]
     owner = render.Owner(name=name, namespace=NAMESPACE, uid="u")
-    desired = render.render(owner, example["spec"], default_image="img", service_monitors_served=True)
+    desired = render.render(owner, crd.with_defaults(example["spec"]), default_image="img", service_monitors_served=True)
     services = {o["metadata"]["name"]: o for o in desired.objects if o["kind"] == "Service"}
     forwards = [c for c in command("kubectl", "port-forward") if c[c.index("-n") + 1] == NAMESPACE]
     (forward,) = forwards
@@ -86,8 +86,8 @@ def test_the_names_used_after_the_apply_are_the_example_s():
     assert int(ports.split(":")[1]) == services[name]["spec"]["ports"][0]["port"] == render.SERVER_PORT
     (curl,) = command("curl")
     body = json.loads(curl[curl.index("-d") + 1])
-    assert body["model"] == render.client_model_name(example["spec"])
-    assert f'model="{render.client_model_name(example["spec"])}"' in blocks("python")[0]
+    assert body["model"] == weights.client_model_name(example["spec"])
+    assert f'model="{weights.client_model_name(example["spec"])}"' in blocks("python")[0]
 
 
 def test_the_dashboards_it_opens_exist():

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from crd_validation import foreign_admission_errors
-from pagoda.operator import render
+from pagoda.operator import crd, render, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -29,7 +29,7 @@ def example_spec(name: str) -> dict:
 
 
 def rendered(spec: dict, monitors: bool = True, pools: bool = False) -> render.Desired:
-    return render.render(OWNER, spec, default_image=IMAGE, service_monitors_served=monitors,
+    return render.render(OWNER, crd.with_defaults(spec), default_image=IMAGE, service_monitors_served=monitors,
                          inference_pools_served=pools)
 
 
@@ -160,7 +160,8 @@ def test_download_init_container_for_hf_only():
     init_env = {e["name"]: e for e in init["env"]}
     assert init_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     assert init_env["HF_REVISION"]["value"] == "0e9e39f249a16976918f6564b8830bc894c89659"
-    assert render.DOWNLOAD_MARKER in init["command"][-1]
+    assert init["command"] == ["python", "-m", "pagoda.server.model_download"]
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # the failure's cause, in status
     assert full["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
     pvc_model = by_kind(rendered(example_spec("pvc-model")))
     assert "PersistentVolumeClaim" not in pvc_model
@@ -190,16 +191,16 @@ def test_user_env_replaces_ours_in_place():
     ],
 )
 def test_served_name_defaults_to_the_model_folder(uri, served):
-    assert render.served_name({"model": {"uri": uri}}) == served
-    assert render.client_model_name({"model": {"uri": uri}}) == served
-    assert render.client_model_name({"model": {"uri": uri, "servedName": "chat"}}) == "chat"
+    assert weights.served_name({"model": {"uri": uri}}) == served
+    assert weights.client_model_name({"model": {"uri": uri}}) == served
+    assert weights.client_model_name({"model": {"uri": uri, "servedName": "chat"}}) == "chat"
 
 
 def test_the_embedded_model_is_named_as_the_server_names_it():
     from pagoda.server.engine.loader import resolve_model_source
 
-    assert render.served_name({"model": {}}) is None  # the pod gets no PAGODA_SERVED_MODEL_NAME
-    assert render.client_model_name({"model": {}}) == resolve_model_source(None).name
+    assert weights.served_name({"model": {}}) is None  # the pod gets no PAGODA_SERVED_MODEL_NAME
+    assert weights.client_model_name({"model": {}}) == resolve_model_source(None).name
 
 
 def test_every_pagoda_variable_is_a_pagoda_serve_flag():
@@ -249,7 +250,7 @@ def run_download(tmp_path, marker: bool):
     target = tmp_path / "hf" / "org" / "model" / "v1"
     if marker:
         target.mkdir(parents=True)
-        (target / render.DOWNLOAD_MARKER).write_text("v1")
+        (target / weights.DOWNLOAD_MARKER).write_text("v1")
     env = {
         "PAGODA_MODEL": str(target),
         "HF_REPO_ID": "org/model",
@@ -259,7 +260,7 @@ def run_download(tmp_path, marker: bool):
         "HOME": str(tmp_path),
     }
     result = subprocess.run(
-        [sys.executable, "-c", render.DOWNLOAD_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, *render.DOWNLOAD_COMMAND[1:]], env=env, capture_output=True, text=True, timeout=60
     )
     return result, target
 
@@ -272,4 +273,4 @@ def test_download_is_skipped_when_the_revision_is_there(tmp_path):
 def test_a_failed_download_leaves_no_marker(tmp_path):
     result, target = run_download(tmp_path, marker=False)
     assert result.returncode != 0  # the pod's init container fails: ModelDownloadFailed after restarts
-    assert not (target / render.DOWNLOAD_MARKER).exists()
+    assert not (target / weights.DOWNLOAD_MARKER).exists()

@@ -44,7 +44,7 @@ def pool_spec(**pool) -> dict:
 
 
 def children(spec: dict, pools: bool = True) -> render.Desired:
-    return render.render(OWNER, spec, default_image="img", service_monitors_served=False,
+    return render.render(OWNER, crd.with_defaults(spec), default_image="img", service_monitors_served=False,
                          inference_pools_served=pools)  # fmt: skip
 
 
@@ -63,7 +63,7 @@ def test_pool_selects_exactly_the_serving_pods_and_points_at_the_picker():
     assert pool["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
     selector = ",".join(f"{k}={v}" for k, v in pool["spec"]["selector"]["matchLabels"].items())
     assert labels_match(selector, deployment["spec"]["template"]["metadata"]["labels"])
-    other = by_kind(render.render(render.Owner("other", "ml", "u2"), pool_spec(), default_image="img",
+    other = by_kind(render.render(render.Owner("other", "ml", "u2"), crd.with_defaults(pool_spec()), default_image="img",
                                   service_monitors_served=False, inference_pools_served=True))["Deployment"]
     assert not labels_match(selector, other["spec"]["template"]["metadata"]["labels"])  # another service's pods
     assert pool["spec"]["targetPorts"] == [{"number": render.SERVER_PORT}]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pagoda.server.api.server import PagodaServer
+from pagoda.server.api.lifecycle import PagodaServer
 from pagoda.server.api.state import ServerConfig
 from pagoda.server.engine.config import EngineArgs
 from support.tiny_models import tiny_model_dir

@@ -91,7 +91,7 @@ async def test_queue_over_limit_answers_429_at_once(start_server, http_request):
 
 
 async def test_probes_while_the_model_loads(http_request):
-    from pagoda.server.api.server import PagodaServer
+    from pagoda.server.api.lifecycle import PagodaServer
 
     server = PagodaServer(ServerConfig(), host="127.0.0.1", port=0)
     await server.start()

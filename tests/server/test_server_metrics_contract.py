@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pagoda.server.engine.outputs import EngineStats
 from pagoda.server.engine.step_histograms import StepHistograms
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

@@ -12,7 +12,7 @@ import pytest
 from pagoda.server import serve_cli
 from pagoda.server.api.state import ServerConfig
 from pagoda.server.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.pod_metrics import ServerMetrics
 from support.prometheus import PrometheusServer, prometheus_binary
 from test_server_metrics_contract import steps_of
 from test_server_prometheus import load

@@ -172,10 +172,12 @@ def make_tiny_model(
     hidden: int = 64,
     max_position_embeddings: int = 512,
     max_shard_size: str | None = None,
+    num_kv_heads: int | None = None,
 ) -> Path:
     """Build the tiny `family` model with random weights and save it as an HF folder at `path`.
 
-    `max_shard_size` (e.g. "20KB") saves sharded safetensors with model.safetensors.index.json.
+    `max_shard_size` (e.g. "20KB") saves sharded safetensors with model.safetensors.index.json;
+    `num_kv_heads` overrides the family's (e.g. 1: multi-query attention).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -185,6 +187,8 @@ def make_tiny_model(
     path = Path(path)
     tokenizer = _build_tokenizer(add_bos=family in ("llama", "llama3", "mistral"))
     config = _family_config(family, tokenizer, num_layers, hidden, max_position_embeddings)
+    if num_kv_heads is not None:
+        config.num_key_value_heads = num_kv_heads
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

@@ -1,10 +1,15 @@
-"""Projections: one matmul each (dense, or 4-bit for few-row steps); q/k/v and gate/up fused into one."""
+"""Projections: one matmul each (dense, or 4-bit for few-row steps); q/k/v and gate/up fused into one.
+
+Under tensor parallelism q/k/v and gate/up are column-parallel: a `MergedLinear` built with each
+rank's share of the output rows (nothing to communicate); o and down are `RowParallelLinear`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight, few_rows
+from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from torch import nn
 
 
@@ -58,3 +63,18 @@ class MergedLinear(Linear):
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The projections side by side, [..., sum of shard sizes], before the split."""
         return super().forward(x)
+
+
+class RowParallelLinear(Linear):
+    """y = all-reduce over ranks of x_r W_rᵀ, + b once: each rank holds the input columns that match
+    the output rows of the column-parallel layer before it, so x arrives already split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

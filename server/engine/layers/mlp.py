@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import torch
 from pagoda.server.engine.layers.activation import silu_and_mul
-from pagoda.server.engine.layers.linear import Linear, MergedLinear
+from pagoda.server.engine.layers.linear import MergedLinear, RowParallelLinear
+from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from torch import nn
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
+        """`intermediate_size`: this rank's share (the whole under tensor parallelism of size 1)."""
         super().__init__()
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)

@@ -15,10 +15,12 @@ import torch
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.layers.attention import PagedAttention
 from pagoda.server.engine.layers.embedding import LMHead, VocabEmbedding
-from pagoda.server.engine.layers.linear import Linear, MergedLinear
+from pagoda.server.engine.layers.linear import MergedLinear, RowParallelLinear
 from pagoda.server.engine.layers.mlp import GatedMLP
 from pagoda.server.engine.layers.norm import RMSNorm
 from pagoda.server.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
+from pagoda.server.engine.parallel.sharding import LocalShape, Slice, local_shape, slice_of
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -89,21 +91,23 @@ class LlamaFamilyConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
+    """This rank's attention heads (all of them without tensor parallelism)."""
+
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, local: LocalShape) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
         )
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_proj_bias, local.tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.attn = PagedAttention(
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             scale=cfg.head_dim**-0.5,
             sliding_window=cfg.sliding_windows[layer_idx],
@@ -130,12 +134,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, layer_idx: int, local: LocalShape) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.self_attn = LlamaAttention(cfg, layer_idx, local)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, cfg.mlp_bias, local.tp)
 
     def forward(
         self,
@@ -149,11 +153,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, local: LocalShape) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, local.tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, local) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -171,17 +175,22 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` gives final hidden states for the packed step; `compute_logits` the fp32 logits."""
+    """`forward` gives final hidden states for the packed step; `compute_logits` the fp32 logits.
 
-    def __init__(self, hf_config: Any) -> None:
+    With `tp` of size N the instance is one rank's shard (`parallel/sharding.py`): `num_kv_heads` is
+    this rank's, and every rank must run each forward and `compute_logits` together (collectives).
+    """
+
+    def __init__(self, hf_config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = LlamaFamilyConfig.from_hf(hf_config)
+        self.local = local_shape(self.cfg, tp)
         self.num_layers = self.cfg.num_layers
-        self.num_kv_heads = self.cfg.num_kv_heads
+        self.num_kv_heads = self.local.num_kv_heads
         self.head_dim = self.cfg.head_dim
-        self.model = LlamaModel(self.cfg)
+        self.model = LlamaModel(self.cfg, self.local)
         tied = self.model.embed_tokens if self.cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(self.cfg.vocab_size, self.cfg.hidden_size, tied_to=tied, tp=tp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,9 +213,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def shard_slice(self, hf_name: str) -> Slice | None:
+        """The slice of checkpoint tensor `hf_name` this rank holds (None: all of it)."""
+        return slice_of(hf_name, self.cfg, self.local)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (cast to each parameter's dtype); every parameter must be set."""
+        """Copy HF-named tensors in (cast to each parameter's dtype); every parameter must be set.
+        Under tensor parallelism each tensor is already this rank's `shard_slice` of the checkpoint's."""
         targets = self.checkpoint_targets()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -217,6 +231,9 @@ class LlamaForCausalLM(nn.Module):
             if hf_name not in targets:
                 raise ValueError(f"unexpected checkpoint tensor {hf_name!r}")
             target = targets[hf_name]
+            if self.local.tp.size > 1 and hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                target[tensor.shape[0] :].zero_()  # the last rank's vocab padding rows
+                target = target[: tensor.shape[0]]
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"

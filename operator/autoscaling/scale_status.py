@@ -11,8 +11,8 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from pagoda.operator.autoscaling.collect import PodSample
 from pagoda.operator.autoscaling.decision import Decision, Recommendation
-from pagoda.operator.autoscaling.metrics import PodSample
 
 
 def iso(t: float) -> str:
