@@ -1,8 +1,9 @@
 """Running parsed requests through the engine: engine requests, merged output streams, usage.
 
 A request with several prompts becomes one engine request per prompt; their outputs (deltas: what is
-new each step) are merged into one stream, in the order they come. Leaving the stream early (client gone, handler cancelled) cancels every engine request,
-which aborts it in the engine and frees its KV blocks at once.
+new each step) are merged into one stream, in the order they come. Leaving the stream early (client
+gone, handler cancelled) cancels every engine request, which aborts it in the engine and frees its KV
+blocks at once.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 All torch work of a serving process runs on the engine thread: it loads the model, sizes the KV pool
 and runs every step. Torch work from a second thread would start a second OpenMP thread team that
-fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are validated on the caller's side (errors raise
-at the first `__anext__`), handed to the step thread through a locked inbox, and their outputs (what
-is new each step: deltas, passed on as they are) come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
-request, which frees its blocks at the next loop turn.
+fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are
+validated and encoded on the caller's side (`make_request`; errors raise at once, or at the first
+`__anext__` of `generate`), handed to the step thread through a locked inbox, and their outputs (what
+is new each step: deltas, passed on as they are) come back through `loop.call_soon_threadsafe`. A
+consumer that stops iterating aborts its request, which frees its blocks at the next loop turn.
+Liveness (`alive`, `health`) is this front's: only it knows whether its loop runs.
 """
 
 from __future__ import annotations
