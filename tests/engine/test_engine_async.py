@@ -81,3 +81,18 @@ async def test_liveness_is_the_async_fronts_own(llama):
     assert engine.alive and engine.health() == (True, "ok")
     await engine.shutdown()
     assert not engine.alive and engine.health() == (False, "engine loop is not running")
+
+
+async def test_a_busy_loop_that_makes_no_progress_is_unhealthy(engine):
+    """Stall detection: work waiting and no step finished for STALL_SECONDS (simulated: the loop is
+    parked, so neither its stats nor its progress time move while we set them)."""
+    from pagoda.server.engine.async_engine import STALL_SECONDS
+    from pagoda.server.engine.outputs import EngineStats
+
+    with engine._lock:
+        engine._last_progress -= STALL_SECONDS + 1  # idle that long is fine
+    assert engine.health() == (True, "ok")
+    with engine._lock:
+        engine._stats = EngineStats(num_waiting=1)  # ... but not with work waiting
+    alive, why = engine.health()
+    assert not alive and "has not finished a step" in why
