@@ -98,7 +98,8 @@ RESOURCES = _obj("Compute resources and placement of each serving pod.", default
     "cpu": _str("CPU request (no limit: throttling stalls token streams).", default="2",
                 pattern=QUANTITY_PATTERN),
     "memory": _str("Memory request and limit.", default="16Gi", pattern=QUANTITY_PATTERN),
-    "shmSize": _str("Size limit of /dev/shm (a memory emptyDir).", default="1Gi", pattern=QUANTITY_PATTERN),
+    "shmSize": _str("Size limit of /dev/shm (a memory emptyDir). Default: 1Gi, or 2Gi per GPU when the "
+                    "model is split over several (NCCL's buffers).", pattern=QUANTITY_PATTERN),
     "nodeSelector": _string_map("Node labels the pods must match."),
     "tolerations": {"type": "array", "description": "Pod tolerations (e.g. for GPU node taints).",
                     "items": _free_object("A core/v1 Toleration.")},
@@ -120,6 +121,9 @@ ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment
                                   default=ENGINE_DEFAULTS["enable_chunked_prefill"]),
     "dtype": _str("Weights/KV dtype.", default=ENGINE_DEFAULTS["dtype"], enum=["auto", "bfloat16", "float16", "float32"]),
     "seed": _int("Seed for requests without their own.", minimum=0),
+    "tensorParallelSize": _int("Ranks the model is split over (`--tensor-parallel-size`). Default: every GPU "
+                               "of the group (resources.gpus × parallelism.nodes; 1 per node on CPU).",
+                               minimum=1, maximum=1024),
     "extraArgs": {"type": "array", "description": "Extra `pagoda serve` arguments, appended verbatim.",
                   "items": {"type": "string", "maxLength": 1024}, "maxItems": 64},
 }, **{"x-kubernetes-validations": [
@@ -128,6 +132,13 @@ ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment
              " || !has(self.maxModelLen) || self.maxNumBatchedTokens >= self.maxModelLen",
      "message": "without chunked prefill, maxNumBatchedTokens must be at least maxModelLen"},
 ]})
+
+PARALLELISM = _obj("Serving groups that span several nodes.", default={}, properties={
+    "nodes": _int("Pods (one per node) of each serving group. Above 1 the group is a LeaderWorkerSet "
+                  "(leaderworkerset.x-k8s.io/v1, its CRD must be installed): the leader serves, the other "
+                  "pods run their nodes' tensor-parallel ranks, and spec.replicas counts groups.",
+                  default=1, minimum=1, maximum=64),
+})
 
 ENV_VAR = _obj("An extra environment variable (value or valueFrom, as in a Pod).", {
     "name": _str("Variable name.", pattern=ENV_NAME_PATTERN, maxLength=256),
@@ -208,6 +219,7 @@ SPEC = _obj("What to serve and how.", {
     "storage": STORAGE,
     "resources": RESOURCES,
     "engine": ENGINE,
+    "parallelism": PARALLELISM,
     "env": {"type": "array", "description": "Extra environment variables for the server container.",
             "items": ENV_VAR, "maxItems": 64,
             "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
@@ -219,7 +231,17 @@ SPEC = _obj("What to serve and how.", {
     "autoscaling": AUTOSCALING,
     "monitoring": MONITORING,
     "routing": ROUTING,
-}, required=["model"])
+}, required=["model"], **{"x-kubernetes-validations": [
+    {"rule": "!has(self.engine) || !has(self.engine.tensorParallelSize) || !has(self.parallelism) || "
+             "!has(self.parallelism.nodes) || self.engine.tensorParallelSize % self.parallelism.nodes == 0",
+     "message": "engine.tensorParallelSize must be a multiple of parallelism.nodes (the same ranks on each node)"},
+    # The pods of a group sit on different nodes and mount the one weight cache.
+    {"rule": "!has(self.parallelism) || !has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+             "!has(self.model.uri) || !self.model.uri.startsWith('hf://') || !has(self.storage) || "
+             "!has(self.storage.accessModes) || self.storage.accessModes.exists(m, m == 'ReadWriteMany')",
+     "message": "parallelism.nodes > 1 with an hf:// model needs storage.accessModes ReadWriteMany (the group's "
+                "pods on different nodes share the weight cache)"},
+]})
 
 CONDITION = _obj("A metav1.Condition.", {
     "type": _str("Ready, Progressing, Degraded, ServiceMonitor or InferencePool.", maxLength=316),
@@ -241,6 +263,7 @@ STATUS = _obj("What the operator observes.", {
     "endpoint": _str("OpenAI base URL inside the cluster."),
     "model": _str("The model name clients send (OpenAI `model`): spec.model.servedName, the uri's last "
                   "part, or the embedded model's name."),
+    "group": _str("What one replica is: its pods and tensor-parallel ranks, e.g. `2 nodes × 8 GPUs, TP 16`."),
     "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, ServiceMonitor, InferencePool.",
                    "items": CONDITION, "x-kubernetes-list-type": "map",
                    "x-kubernetes-list-map-keys": ["type"]},
@@ -273,6 +296,8 @@ PRINTER_COLUMNS = [
      "description": "Mean KV-cache usage, 0-1"},
     {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Group", "type": "string", "jsonPath": ".status.group", "priority": 1,
+     "description": "One replica: its nodes, GPUs and tensor-parallel ranks"},
     {"name": "Source", "type": "string", "jsonPath": ".spec.model.uri", "priority": 1,
      "description": "Where the weights come from (empty: the embedded model)"},
 ]

@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 from pagoda.operator import apply, crd, kube, operator_metrics, render, routing, status
+from pagoda.operator import leaderworkerset as lws
 
 GROUP, VERSION, PLURAL = crd.GROUP, crd.VERSION, crd.PLURAL
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
@@ -81,8 +82,13 @@ async def _publish_status(body: kopf.Body, memo: kopf.Memo, new: dict[str, Any],
         kopf.event(body, type=kind, reason=reason, message=message)
 
 
-async def _observe(owner: render.Owner, logger: kopf.Logger, apply_error: str | None) -> status.Observation:
-    deployment = await kube.get_deployment(owner.namespace, owner.name, logger)
+async def _observe(owner: render.Owner, spec: dict[str, Any], logger: kopf.Logger,
+                   apply_error: str | None) -> status.Observation:
+    if lws.wanted(spec):
+        url = kube.path(lws.API_VERSION, lws.PLURAL, owner.namespace, owner.name)
+        deployment = lws.as_workload(await kube.get(url, logger))
+    else:
+        deployment = await kube.get_deployment(owner.namespace, owner.name, logger)
     pods = await kube.list_pods(owner.namespace, render.selector_string(owner), logger)
     return status.Observation(deployment, pods, apply_error)
 
@@ -111,9 +117,10 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
     # asked every time: the Prometheus Operator may be installed (or removed) after us
     monitors_served = await kube.serves(SERVICE_MONITOR_API, render.SERVICE_MONITOR.plural, logger)
     pools_served = await kube.serves(render.INFERENCE_POOL.api_version, render.INFERENCE_POOL.plural, logger)
+    groups_served = await kube.serves(lws.API_VERSION, lws.PLURAL, logger)
     try:
         desired = render.render(owner, defaulted, default_image=CONFIG.image(), service_monitors_served=monitors_served,
-                                inference_pools_served=pools_served)
+                                inference_pools_served=pools_served, leader_worker_sets_served=groups_served)
     except ValueError as exc:  # the schema refuses these; only an unvalidated object gets here
         raise kopf.PermanentError(str(exc)) from exc
     apply_error = None
@@ -124,12 +131,13 @@ async def _reconcile(body: kopf.Body, spec: dict[str, Any], generation: int, mem
         operator_metrics.ERRORS.labels("apply").inc()
     monitor_state = optional_child_state(render.service_monitor_wanted(defaulted), monitors_served)
     pool_state = optional_child_state(routing.pool_wanted(defaulted), pools_served)
+    group_state = optional_child_state(lws.wanted(defaulted), groups_served)
     async with _status_lock(memo):
         previous = _last_status(body, memo)
-        observation = await _observe(owner, logger, apply_error)
+        observation = await _observe(owner, defaulted, logger, apply_error)
         new = status.compute_status(owner, defaulted, observation, generation=generation, now=_now(),
                                     previous=previous, service_monitor_state=monitor_state,
-                                    inference_pool_state=pool_state)
+                                    inference_pool_state=pool_state, leader_worker_set_state=group_state)
         await _publish_status(body, memo, new, previous, logger)
     operator_metrics.DESIRED_REPLICAS.labels(owner.namespace, owner.name).set(defaulted["replicas"])
     if apply_error:
@@ -146,9 +154,9 @@ async def refresh_status(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonS
             previous = _last_status(body, memo)
             if "observedGeneration" in previous:  # reconcile has run at least once
                 try:
-                    observation = await _observe(owner, logger, status.carried_apply_error(previous))
-                    new = status.compute_status(owner, crd.with_defaults(dict(body.get("spec") or {})),
-                                                observation, generation=previous["observedGeneration"],
+                    spec = crd.with_defaults(dict(body.get("spec") or {}))
+                    observation = await _observe(owner, spec, logger, status.carried_apply_error(previous))
+                    new = status.compute_status(owner, spec, observation, generation=previous["observedGeneration"],
                                                 now=_now(), previous=previous, service_monitor_state=None)
                     await _publish_status(body, memo, new, previous, logger)
                 except kube.APIError as exc:

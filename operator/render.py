@@ -2,7 +2,8 @@
 
 Children (all owned by the InferenceService, so deleting it garbage-collects them):
 - PVC `<name>-weights` for hf:// models, filled once by the `model-download` init container;
-- Deployment `<name>` running `pagoda serve` (replicas from spec.replicas, never from the template);
+- Deployment `<name>` running `pagoda serve` (replicas from spec.replicas, never from the template),
+  or a LeaderWorkerSet `<name>` of multi-node groups (leaderworkerset.py) when spec.parallelism asks;
 - Service `<name>` (port 8000 `http`);
 - ServiceMonitor `<name>` when wanted and its CRD is installed;
 - InferencePool `<name>` when spec.routing.inferencePool asks and its CRD is installed (routing.py);
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.operator import crd, routing
+from pagoda.operator import leaderworkerset as lws
 from pagoda.operator.weights import (
     MODELS_DIR,
     WeightsSource,
@@ -145,6 +147,7 @@ def engine_env(spec: dict[str, Any], source: WeightsSource) -> list[dict[str, st
         "PAGODA_SEED": engine.get("seed"),
         "PAGODA_DRAIN_TIMEOUT": spec["drainTimeoutSeconds"],
         "PAGODA_VLLM_COMPATIBLE_METRICS": True if routing.vllm_metrics_wanted(spec) else None,
+        **lws.parallel_env(spec),
     }
     return [{"name": k, "value": _env_value(v)} for k, v in values.items() if v is not None]
 
@@ -215,7 +218,7 @@ def pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, An
     resources = spec["resources"]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": resources["shmSize"]}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": lws.shm_size(spec)}},
     ]
     if source.claim:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": source.claim}})
@@ -242,11 +245,21 @@ def template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def deployment(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
+def hashed_pod_template(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
     template = pod_template(owner, spec, image)
     # The hash covers only the pod template: replicas and autoscaling live outside it, so scaling
     # never restarts pods, while any change that reaches the pods shows here and rolls them.
     template["metadata"]["annotations"] = {TEMPLATE_HASH_ANNOTATION: template_hash(template)}
+    return template
+
+
+def leader_worker_set(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
+    return lws.leader_worker_set(_metadata(owner, owner.name), spec, hashed_pod_template(owner, spec, image),
+                                 "app.kubernetes.io/component")
+
+
+def deployment(owner: Owner, spec: dict[str, Any], image: str) -> dict[str, Any]:
+    template = hashed_pod_template(owner, spec, image)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, owner.name),
         "spec": {
@@ -300,7 +313,8 @@ SERVICE = ChildKind("v1", "Service", "services")
 SERVICE_MONITOR = ChildKind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 INFERENCE_POOL = ChildKind(routing.POOL_API_VERSION, routing.POOL_KIND, routing.POOL_PLURAL)
-KINDS = {k.kind: k for k in (PVC, DEPLOYMENT, SERVICE, SERVICE_MONITOR, PDB, INFERENCE_POOL)}
+LEADER_WORKER_SET = ChildKind(lws.API_VERSION, lws.KIND, lws.PLURAL)
+KINDS = {k.kind: k for k in (PVC, DEPLOYMENT, SERVICE, SERVICE_MONITOR, PDB, INFERENCE_POOL, LEADER_WORKER_SET)}
 
 
 @dataclass(frozen=True)
@@ -316,7 +330,8 @@ def service_monitor_wanted(spec: dict[str, Any]) -> bool:
 
 
 def render(owner: Owner, spec: dict[str, Any], *, default_image: str,
-           service_monitors_served: bool, inference_pools_served: bool = False) -> Desired:
+           service_monitors_served: bool, inference_pools_served: bool = False,
+           leader_worker_sets_served: bool = False) -> Desired:
     """All children for a spec the caller has defaulted once (`crd.with_defaults`)."""
     image = spec.get("image") or default_image
     source = weights_source(spec["model"], owner.name)
@@ -324,7 +339,15 @@ def render(owner: Owner, spec: dict[str, Any], *, default_image: str,
     absent: list[tuple[ChildKind, str]] = []
     if source.downloads:
         objects.append(weights_pvc(owner, spec))
-    objects += [deployment(owner, spec, image), service(owner)]
+    if not lws.wanted(spec):
+        objects.append(deployment(owner, spec, image))
+        if leader_worker_sets_served:
+            absent.append((LEADER_WORKER_SET, owner.name))
+    else:  # without the LWS CRD nothing can run the group: a status condition says so
+        if leader_worker_sets_served:
+            objects.append(leader_worker_set(owner, spec, image))
+        absent.append((DEPLOYMENT, owner.name))
+    objects.append(service(owner))
     if service_monitor_wanted(spec) and service_monitors_served:
         objects.append(service_monitor(owner, spec))
     elif service_monitors_served:

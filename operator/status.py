@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.operator import crd
+from pagoda.operator import leaderworkerset as lws
 from pagoda.operator.render import (
     DOWNLOAD_CONTAINER,
     SERVER_CONTAINER,
@@ -200,6 +202,13 @@ OPTIONAL_CHILD_MESSAGES: dict[str, dict[str, tuple[str, str] | None]] = {
         "CRDNotFound": ("False", "monitoring.coreos.com/v1 ServiceMonitor is not served by this cluster "
                                  "(install the Prometheus Operator CRDs); skipped"),
     },
+    "LeaderWorkerSet": {
+        "Created": ("True", "each replica is a LeaderWorkerSet group of spec.parallelism.nodes pods"),
+        "Disabled": None,  # one node per replica: a Deployment
+        "CRDNotFound": ("False", "leaderworkerset.x-k8s.io/v1 LeaderWorkerSet is not served by this cluster "
+                                 "(install LeaderWorkerSet); spec.parallelism.nodes > 1 needs it: nothing "
+                                 "runs"),
+    },
     "InferencePool": {
         "Created": ("True", "the InferencePool selects the serving pods' port 8000 for the endpoint picker"),
         "Disabled": None,  # not asked for: nothing to report
@@ -219,7 +228,8 @@ def optional_child_condition(kind: str, state: str) -> dict[str, str] | None:
 
 def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, generation: int, now: str,
                    previous: Mapping[str, Any] | None, service_monitor_state: str | None,
-                   inference_pool_state: str | None = None) -> dict[str, Any]:
+                   inference_pool_state: str | None = None,
+                   leader_worker_set_state: str | None = None) -> dict[str, Any]:
     """The operator-owned part of status (kvCache and autoscaling are the autoscaler's).
 
     A None `*_state` means this pass did not look (status refresh): the previous condition is kept.
@@ -230,7 +240,8 @@ def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, g
     ready = int(dep_status.get("readyReplicas") or 0)
     conditions = workload_conditions(desired, obs)
     old_conditions = previous.get("conditions") or []
-    for kind, state in (("ServiceMonitor", service_monitor_state), ("InferencePool", inference_pool_state)):
+    for kind, state in (("ServiceMonitor", service_monitor_state), ("InferencePool", inference_pool_state),
+                        ("LeaderWorkerSet", leader_worker_set_state)):
         if state is not None:
             conditions += [c for c in [optional_child_condition(kind, state)] if c is not None]
         else:
@@ -245,9 +256,19 @@ def compute_status(owner: Owner, spec: Mapping[str, Any], obs: Observation, *, g
         "selector": selector_string(owner),
         "endpoint": endpoint(owner) if ready > 0 else None,
         "model": client_model_name(spec),
+        "group": group_description(spec),
         "conditions": with_transition_times(conditions, old_conditions, now, generation),
     }
     return status
+
+
+def group_description(spec: Mapping[str, Any]) -> str:
+    """One replica in words, for `kubectl get -o wide` (e.g. "2 nodes × 8 GPUs, TP 16")."""
+    spec = crd.with_defaults(dict(spec))
+    nodes, gpus = lws.nodes(spec), int(spec["resources"]["gpus"])
+    pods = f"{nodes} nodes × " if nodes > 1 else ""
+    devices = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
+    return f"{pods}{devices}, TP {lws.tensor_parallel_size(spec)}"
 
 
 def status_changes(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "pagoda.server.engine.plan_cli",
     "bench": "pagoda.server.bench_cli",
     "top": "pagoda.server.top_cli",
+    "worker": "pagoda.server.worker_cli",
     "operator": "pagoda.operator.cli",
 }
 

@@ -58,6 +58,11 @@ class _EngineCollector(Collector):
             "pagoda_kv_cache_blocks_used", "KV blocks referenced by live sequences.", stats.num_blocks_used
         )
         yield gauge("pagoda_kv_cache_capacity_tokens", "Tokens the KV pool can hold.", stats.capacity_tokens)
+        yield gauge("pagoda_kv_cache_bytes", "Bytes of the KV pool, over every rank.", stats.kv_cache_bytes)
+        yield gauge(
+            "pagoda_tensor_parallel_size", "Ranks the model is split over (one replica).",
+            stats.tensor_parallel_size,
+        )  # fmt: skip
         yield gauge(
             "pagoda_kv_cache_shared_blocks", "KV blocks referenced by more than one sequence.",
             stats.num_shared_blocks,

@@ -117,6 +117,13 @@ class AsyncLLMEngine:
         assert self._died is not None, "start() first"
         return await asyncio.shield(self._died)
 
+    def _fail(self, error: BaseException) -> None:
+        """From another thread (a tensor-parallel worker died): the step loop raises `error`."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._wake.notify()
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
@@ -232,6 +239,9 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(built.set_exception, exc)
             return
         self._loaded = None  # the engine holds the model now
+        add_failure_listener = getattr(engine.runner, "add_failure_listener", None)
+        if add_failure_listener is not None:
+            add_failure_listener(self._fail)
         with self._lock:
             self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)
@@ -241,7 +251,9 @@ class AsyncLLMEngine:
                 with self._lock:
                     was_idle = False
                     self._run_probes()
-                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished()):
+                    while not (
+                        self._inbox or self._aborts or self._stopping or self._error or engine.has_unfinished()
+                    ):
                         self._refresh_stats()
                         self._parked = True
                         self._wake.wait()
@@ -257,6 +269,8 @@ class AsyncLLMEngine:
                             self._parked = True
                             self._wake.wait(left)
                             self._parked = False
+                    if self._error is not None:
+                        raise self._error
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
@@ -289,6 +303,7 @@ class AsyncLLMEngine:
                 self._streams.clear()
             loop.call_soon_threadsafe(_settle, self._died, exc, None)
         finally:
+            engine.shutdown()
             with self._lock:
                 self._refresh_stats()
                 self._run_probes()

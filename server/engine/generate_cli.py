@@ -59,6 +59,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
+    finally:
+        llm.engine.shutdown()  # tensor-parallel workers, if any
     for output in result.outputs:
         print(output.text)
     return 0

@@ -108,6 +108,7 @@ class LLMEngine:
             )
         self.max_num_batched_tokens = batch_tokens
         model = loaded.model
+        self.tp_size = tp_group.tp.size if tp_group else 1
         self.spec = KVCacheSpec(
             model.num_layers, model.num_kv_heads, model.head_dim, self.dtype, args.block_size
         )
@@ -143,6 +144,12 @@ class LLMEngine:
         self.generation_tokens = 0
         self.num_steps = 0
         self.step_histograms = StepHistograms()
+        if self.tp_size > 1:
+            logger.info(
+                "tensor parallelism: %d ranks, %d KV heads each; bytes below are per rank, tokens the group's",
+                self.tp_size,
+                model.num_kv_heads,
+            )
         for line in capacity_report(
             self.spec.bytes_per_token, args.block_size, num_blocks, self.max_model_len
         ):
@@ -395,6 +402,8 @@ class LLMEngine:
             num_shared_blocks=bm.num_shared_blocks,
             block_size=bm.block_size,
             capacity_tokens=bm.num_blocks * bm.block_size,
+            tensor_parallel_size=self.tp_size,
+            kv_cache_bytes=bm.num_blocks * self.spec.bytes_per_block * self.tp_size,
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
             prompt_tokens=self.prompt_tokens,

@@ -136,7 +136,9 @@ class EngineStats:
     num_blocks_used: int = 0
     num_shared_blocks: int = 0  # ref_count > 1
     block_size: int = EngineArgs.block_size
-    capacity_tokens: int = 0
+    capacity_tokens: int = 0  # of the whole tensor-parallel group: every rank holds each token's share
+    tensor_parallel_size: int = 1
+    kv_cache_bytes: int = 0  # the pool's bytes over every rank of the group
     max_model_len: int = 0
     dtype: str = ""
     # Cumulative counters

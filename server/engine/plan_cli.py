@@ -1,4 +1,9 @@
-"""`pagoda plan`: print the KV cache capacity (capacity.py's arithmetic) for a model and a memory budget."""
+"""`pagoda plan`: print the KV cache capacity (capacity.py's arithmetic) for a model and a memory budget.
+
+With `--tensor-parallel-size N` each rank holds kv_heads / N heads (one, replicated, when there are
+fewer KV heads than ranks) and weights / N; `--gpu-memory` is one GPU's, `--kv-cache-memory` the
+group's. The byte lines are per rank; the token capacity and concurrency are the whole group's.
+"""
 
 from __future__ import annotations
 
@@ -37,28 +42,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--kv-cache-memory", type=parse_bytes, help="KV pool size, e.g. 2GiB")
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS["gpu_memory_utilization"])
     parser.add_argument("--block-size", type=int, default=DEFAULTS["block_size"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     parser.add_argument(
         "--context-len", type=int, help="tokens per request for the concurrency line (default: max_model_len)"
     )
+
+
+def rank_kv_heads(kv_heads: int, ranks: int) -> int:
+    """KV heads one rank holds (parallel/sharding.py's rule, without the model)."""
+    if ranks < 1 or (kv_heads >= ranks and kv_heads % ranks) or (kv_heads < ranks and ranks % kv_heads):
+        raise SystemExit(f"--tensor-parallel-size {ranks} does not split {kv_heads} KV heads")
+    return max(1, kv_heads // ranks)
 
 
 def main(args: argparse.Namespace) -> int:
     shape, max_model_len, num_params = model_shape(args.model)
     on_gpu = args.gpu_memory is not None
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    bytes_per_token = kv_bytes_per_token(shape, dtype)
+    ranks = args.tensor_parallel_size
+    rank_shape = {**shape, "num_kv_heads": rank_kv_heads(shape["num_kv_heads"], ranks)}
+    bytes_per_token = kv_bytes_per_token(rank_shape, dtype)
+    if ranks > 1:
+        print(
+            f"tensor parallelism: {ranks} ranks, {rank_shape['num_kv_heads']} KV heads each; "
+            "bytes are per rank, tokens the group's"
+        )
     if on_gpu:
-        weights = num_params * DTYPE_BYTES[dtype]
+        weights = num_params * DTYPE_BYTES[dtype] // ranks
         budget = int(args.gpu_memory * args.gpu_memory_utilization) - weights
         print(
-            f"weights: ~{num_params / 1e6:.0f}M parameters, {gib(weights)} at {dtype} (activations not included)"
+            f"weights: ~{num_params / 1e6:.0f}M parameters, {gib(weights)}{' per rank' if ranks > 1 else ''} "
+            f"at {dtype} (activations not included)"
         )
     elif args.kv_cache_memory is not None:
-        budget = args.kv_cache_memory
+        budget = args.kv_cache_memory // ranks
     else:
         from pagoda.server.engine.model_runner import cpu_kv_budget
 
-        budget = cpu_kv_budget()
+        budget = cpu_kv_budget() // ranks
     print(
         f"model: {shape['num_layers']} layers × {shape['num_kv_heads']} kv heads × head_dim {shape['head_dim']}, "
         f"{dtype}, max_model_len {max_model_len:,}"

@@ -69,19 +69,21 @@ class ModelCosts:
                 few_rows_head -= saved
             else:
                 few_rows_body -= saved
+        # Under tensor parallelism: this rank's share (the roofline of one device), from its shard.
+        local = model.local
         h, hd = cfg.hidden_size, cfg.head_dim
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size  # qkv, o, gate+up+down
+        q, kv = local.num_heads * hd, local.num_kv_heads * hd
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * local.intermediate_size  # qkv, o, gate+up+down
         return cls(
             body_bytes=body,
             head_bytes=head_bytes,
             few_rows_body_bytes=few_rows_body,
             few_rows_head_bytes=few_rows_head,
-            embed_row_bytes=embed_table // cfg.vocab_size,
+            embed_row_bytes=embed_table // embed.shape[0],
             kv_bytes_per_token=kv_bytes_per_token,
             body_flops_per_token=2 * per_layer * cfg.num_layers,
-            head_flops_per_row=2 * cfg.vocab_size * h,
-            attn_flops_per_context=4 * cfg.num_heads * hd,
+            head_flops_per_row=2 * local.vocab_per_rank * h,
+            attn_flops_per_context=4 * local.num_heads * hd,
             sliding_windows=tuple(cfg.sliding_windows),
         )
 

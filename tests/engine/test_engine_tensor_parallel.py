@@ -35,11 +35,11 @@ def record_logits(llm: LLM) -> list[torch.Tensor]:
     return seen
 
 
-def run_both(folder, prompts, params, *, warm_up=None, **kw):
+def run_both(folder, prompts, params, *, warm_up=None, sizes=(1, 2), **kw):
     """Per TP size 1 and 2: (outputs, per-step logits, stats, rank 0's KV caches). `warm_up`
     prompts run first, to completion (their blocks stay in the prefix cache)."""
     results = []
-    for tp in (1, 2):
+    for tp in sizes:
         llm = engine_on(folder, tp, **kw)
         try:
             logits = record_logits(llm)
@@ -94,6 +94,14 @@ def test_gqa_families_greedy_tokens_and_logits_equal_one_rank(tmp_path_factory, 
     assert_same(one, two)
 
 
+@pytest.mark.slow
+def test_four_ranks_replicate_two_kv_heads(tmp_path_factory):
+    """llama3 at TP=4: 4 query heads, 2 KV heads, so two ranks share each KV head."""
+    one, four = run_both(tiny_model_dir("llama3", tmp_path_factory), PROMPTS, GREEDY, sizes=(1, 4))
+    assert_same(one, four)
+    assert four[3][0][0].shape[2] == 1
+
+
 def test_n_beams_prefix_cache_and_preemption_under_two_ranks(tmp_path_factory):
     """A pool too small for the batch (preemption by recompute), shared prompt prefixes (prefix
     cache hits), n = 2 seeded sampling and beam search: the same outputs as one rank."""
@@ -113,3 +121,116 @@ def test_n_beams_prefix_cache_and_preemption_under_two_ranks(tmp_path_factory):
     assert stats.prefix_cache_hits > 0
     assert stats.num_blocks_total == 11
     assert (stats.preemptions, stats.prefix_cache_hits) == (one[2].preemptions, one[2].prefix_cache_hits)
+
+
+def plan(capsys, *argv: str) -> dict[str, str]:
+    from pagoda.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+
+
+def test_plan_reports_the_group_capacity(capsys, tmp_path_factory):
+    """Two ranks on two GPUs of the same size hold twice the tokens (half the KV heads each); a KV
+    head that is replicated holds no more, and the CPU budget is the group's."""
+    folder = str(tiny_model_dir("llama", tmp_path_factory))
+    gpu = ["--model", folder, "--gpu-memory", "64MiB", "--dtype", "float32"]
+    one, two = plan(capsys, *gpu), plan(capsys, *gpu, "--tensor-parallel-size", "2")
+    assert int(one["KV cache"].split()[0].replace(",", "")) == 2 * int(
+        two["KV cache"].split()[0].replace(",", "")
+    )
+    tokens = [int(p["KV cache capacity"].split()[0].replace(",", "")) for p in (one, two)]
+    assert tokens[1] >= 2 * tokens[0] > 0  # and the weights per rank halve too
+    assert two["tensor parallelism"].startswith("2 ranks, 2 KV heads each")
+    mqa = str(tiny_model_dir("qwen2", tmp_path_factory, num_kv_heads=1))
+    cpu = ["--model", mqa, "--kv-cache-memory", "8MiB", "--dtype", "float32"]
+    one, two = plan(capsys, *cpu), plan(capsys, *cpu, "--tensor-parallel-size", "2")
+    assert two["KV cache"] == one["KV cache"]  # the one KV head is whole on each rank
+    half = int(one["KV cache capacity"].split()[0].replace(",", "")) // 2
+    assert int(two["KV cache capacity"].split()[0].replace(",", "")) == half
+
+
+def test_low_bit_gguf_layers_stay_on_one_rank():
+    """The 4-bit GGUF layers are not sharded: dense under TP for `auto`, a clear refusal for `gguf`."""
+    from pathlib import Path
+
+    from pagoda.server.engine.loader import ModelSource, resolve_quantization
+
+    gguf = ModelSource("gguf", Path("m.gguf"), "m")
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", gguf, cpu, tp_size=1) == "gguf"
+    assert resolve_quantization("auto", gguf, cpu, tp_size=2) == "none"
+    with pytest.raises(ValueError, match="runs on one rank only"):
+        resolve_quantization("gguf", gguf, cpu, tp_size=2)
+
+
+def test_a_model_that_does_not_split_is_refused():
+    from types import SimpleNamespace
+
+    from pagoda.server.engine.parallel.sharding import check_shardable
+
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2, intermediate_size=128)
+    check_shardable(cfg, 4)  # 2 KV heads on 4 ranks: replicated
+    with pytest.raises(ValueError, match="4 attention heads"):
+        check_shardable(cfg, 3)
+    with pytest.raises(ValueError, match="6 KV heads"):
+        check_shardable(SimpleNamespace(num_heads=12, num_kv_heads=6, intermediate_size=128), 4)
+
+
+def test_each_rank_reads_only_its_slices_of_a_sharded_checkpoint(tmp_path_factory, monkeypatch):
+    """Rank 1 of 2, built without a process group: its tensors are the checkpoint's slices, read with
+    safetensors' get_slice (a whole-tensor read fails the test), across a multi-file checkpoint."""
+    import safetensors
+    from pagoda.server.engine.loader import load_model
+    from pagoda.server.engine.parallel.group import TensorParallel
+
+    folder = tiny_model_dir("qwen2", tmp_path_factory, max_shard_size="40KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    full = load_model(folder, dtype="float32").model.checkpoint_targets()
+    real_open = safetensors.safe_open
+
+    class SlicesOnly:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            assert "proj" not in name and "embed" not in name, f"{name} read whole"
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", SlicesOnly)
+    shard = load_model(folder, dtype="float32", tp=TensorParallel(rank=1, size=2)).model
+    for name, target in shard.checkpoint_targets().items():
+        where = shard.shard_slice(name)
+        whole = full[name]
+        expected = whole if where is None else whole.narrow(where.dim, where.start, where.length)
+        assert torch.equal(target[: expected.shape[0]], expected), name
+    assert shard.num_kv_heads == 1 and shard.model.embed_tokens.weight.shape[0] == 160
+
+
+def test_the_roofline_counts_one_rank_share(tmp_path_factory):
+    """Each rank's roofline is its device's: half the matmul FLOPs and weight bytes of the layers."""
+    from pagoda.server.engine.loader import load_model
+    from pagoda.server.engine.parallel.group import TensorParallel
+    from pagoda.server.engine.roofline import ModelCosts
+
+    folder = tiny_model_dir("llama", tmp_path_factory)
+    whole = ModelCosts.from_model(load_model(folder, dtype="float32").model, 1024)
+    half = ModelCosts.from_model(load_model(folder, dtype="float32", tp=TensorParallel(1, 2)).model, 512)
+    assert half.body_flops_per_token * 2 == whole.body_flops_per_token
+    assert half.head_flops_per_row * 2 == whole.head_flops_per_row
+    assert half.attn_flops_per_context * 2 == whole.attn_flops_per_context
+    assert half.embed_row_bytes == whole.embed_row_bytes and half.head_bytes * 2 == whole.head_bytes
+    assert whole.body_bytes / 2 < half.body_bytes < whole.body_bytes  # the norms are whole on each rank

@@ -29,6 +29,7 @@ CR_URL = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/{crd.PLURAL}"
 DEP, SVC, PVC, PDB, SM = ("apps/v1/deployments", "v1/services", "v1/persistentvolumeclaims",
                           "policy/v1/poddisruptionbudgets", "monitoring.coreos.com/v1/servicemonitors")
 POOL = "inference.networking.k8s.io/v1/inferencepools"
+LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 PODS_URL = f"/api/v1/namespaces/{NS}/pods"
 PEERING = "pagoda"
 TEST_IMAGE = "registry.test/pagoda-server:test"
@@ -36,9 +37,11 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
 def prepare_cluster(k8s: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: Any, *,
-                    service_monitors: bool = True, inference_pools: bool = True) -> None:
+                    service_monitors: bool = True, inference_pools: bool = True,
+                    leader_worker_sets: bool = True) -> None:
     """Declare resources, the namespace and the peering object; point kopf's login at the emulator."""
-    declare_builtin_resources(k8s, service_monitors=service_monitors, inference_pools=inference_pools)
+    declare_builtin_resources(k8s, service_monitors=service_monitors, inference_pools=inference_pools,
+                              leader_worker_sets=leader_worker_sets)
     declare_crd(k8s, crd.crd())
     k8s.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace",
                                               "metadata": {"name": NS, "uid": "ns-uid"}}

@@ -18,6 +18,7 @@ import yaml
 from operator_harness import (
     CR_URL,
     DEP,
+    LWS,
     NS,
     PDB,
     PEERING,
@@ -81,7 +82,8 @@ def peering_patches(k8s) -> set[tuple[str, str | None, str]]:
 
 
 async def lifecycle(k8s, namespaces: list[str] | None, peering: str | None) -> None:
-    """Create, update, scale, crash, drop the ServiceMonitor, restart: every kind of call once."""
+    """Create, update, scale, crash, drop the ServiceMonitor, a multi-node group and back, restart:
+    every kind of call once."""
     async with running_operator(k8s, namespaces, peering=peering):
         await create(
             k8s, isvc(replicas=2, model={"uri": "hf://org/model", "hfTokenSecretRef": {"name": "t"}})
@@ -103,6 +105,10 @@ async def lifecycle(k8s, namespaces: list[str] | None, peering: str | None) -> N
         await eventually(lambda: live(k8s, POOL, "llm"))
         await patch(k8s, f"{CR_URL}/llm", {"spec": {"routing": {"inferencePool": {"enabled": False}}}})
         await eventually(lambda: k8s.objects[POOL, NS, "llm"].deleted)
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"parallelism": {"nodes": 2}}})
+        await eventually(lambda: live(k8s, LWS, "llm") and k8s.objects[DEP, NS, "llm"].deleted)
+        await patch(k8s, f"{CR_URL}/llm", {"spec": {"parallelism": {"nodes": 1}}})
+        await eventually(lambda: live(k8s, DEP, "llm") and k8s.objects[LWS, NS, "llm"].deleted)
     async with running_operator(k8s, namespaces, peering=peering):
         await eventually(lambda: live(k8s, DEP, "llm"))
 

@@ -78,6 +78,9 @@ SERVICE_MONITOR_INFO = kmock.ResourceInfo(kind="ServiceMonitor", singular="servi
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
 INFERENCE_POOL_INFO = kmock.ResourceInfo(kind="InferencePool", singular="inferencepool",
                                          namespaced=True, verbs=VERBS, shortnames={"infpool"})
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+LEADER_WORKER_SET_INFO = kmock.ResourceInfo(kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True,
+                                            verbs=VERBS, shortnames={"lws"}, subresources={"status", "scale"})
 
 
 def _parse_path_with_namespaces(path: str) -> parsing.ParsedPath:
@@ -94,15 +97,17 @@ parsing.parse_path = _parse_path_with_namespaces
 
 
 def declare_builtin_resources(emulator: kmock.KubernetesEmulator, *, service_monitors: bool = False,
-                              inference_pools: bool = False) -> None:
+                              inference_pools: bool = False, leader_worker_sets: bool = False) -> None:
     """Declare the built-in resources (kopf starts no watch on undeclared ones), and optionally the
-    CRD-defined kinds the operator looks for (ServiceMonitor, InferencePool)."""
+    CRD-defined kinds the operator looks for (ServiceMonitor, InferencePool, LeaderWorkerSet)."""
     for key, info in BUILTIN_RESOURCES.items():
         emulator.resources[key] = attrs.evolve(info)
     if service_monitors:
         emulator.resources[SERVICE_MONITORS] = attrs.evolve(SERVICE_MONITOR_INFO)
     if inference_pools:
         emulator.resources[INFERENCE_POOLS] = attrs.evolve(INFERENCE_POOL_INFO)
+    if leader_worker_sets:
+        emulator.resources[LEADER_WORKER_SETS] = attrs.evolve(LEADER_WORKER_SET_INFO)
 
 
 def declare_crd(emulator: kmock.KubernetesEmulator, crd: Mapping[str, Any]) -> str:
@@ -353,9 +358,10 @@ def _with_removals(applied: dict[str, Any], previous: Mapping[str, Any]) -> dict
 
 
 def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The autoscaling/v1 Scale view of an object (CRs: .status.selector; Deployments: spec.selector)."""
+    """The autoscaling/v1 Scale view of an object (CRs: .status.selector, LeaderWorkerSets:
+    .status.hpaPodSelector; Deployments: spec.selector)."""
     spec, status, meta = obj.get("spec", {}), obj.get("status", {}) or {}, obj.get("metadata", {})
-    selector = status.get("selector")
+    selector = status.get("selector") or status.get("hpaPodSelector")
     if selector is None and (match_labels := spec.get("selector", {}).get("matchLabels")):
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
     return {

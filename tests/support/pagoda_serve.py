@@ -34,6 +34,13 @@ def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 
 @contextlib.contextmanager
 def pagoda_serve(model: Path, flags: list[str], log: Path) -> Iterator[str]:
     """Yields the server's base URL once /ready; terminates it afterwards."""
+    with pagoda_serve_process(model, flags, log) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def pagoda_serve_process(model: Path, flags: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(base URL, the server process) once /ready; terminated afterwards if still running."""
     port = free_port()
     argv = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), *flags]  # fmt: skip
@@ -42,7 +49,7 @@ def pagoda_serve(model: Path, flags: list[str], log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process, log)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         try:

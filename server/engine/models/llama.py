@@ -198,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        """The embedding rows: every token id the model can index is below this."""
-        return int(self.model.embed_tokens.weight.shape[0])
+        """The embedding rows (over every tensor-parallel rank): every token id the model can index is
+        below this."""
+        return self.cfg.vocab_size
 
     def forward(
         self,

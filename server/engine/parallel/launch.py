@@ -114,3 +114,52 @@ class Watchdog:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def _health_server(address: tuple[str, int], watchdog: Watchdog):
+    """/health and /ready: 200 while every local rank runs, else 503 (the pod's probes)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path not in ("/health", "/ready"):
+                self.send_error(404)
+                return
+            ok = watchdog.failure is None
+            body = b"ok" if ok else str(watchdog.failure).encode()
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_) -> None:  # probes every few seconds: no access log
+            pass
+
+    server = ThreadingHTTPServer(address, Health)
+    threading.Thread(target=server.serve_forever, name="pagoda-worker-health", daemon=True).start()
+    return server
+
+
+def run_node(args: EngineArgs, node_rank: int, addr: str, port: int, health: tuple[str, int]) -> int:
+    """Run node `node_rank`'s ranks until one exits; its exit code (the others are stopped)."""
+    import signal
+
+    args = with_rank_threads(args)
+    per_node = ranks_per_node(args)
+    if node_rank >= args.nnodes:
+        raise ValueError(f"node_rank: {node_rank} is not below nnodes {args.nnodes}")
+    first = node_rank * per_node
+    procs = spawn_workers(args, range(first, first + per_node), addr, port)
+    watchdog = Watchdog(procs, first_rank=first)
+    done = threading.Event()
+    watchdog.listeners.append(lambda _: done.set())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    server = _health_server(health, watchdog)
+    done.wait()
+    codes = [proc.poll() for proc in procs]
+    watchdog.kill()
+    server.shutdown()
+    # 0: stopped by SIGTERM, or rank 0 told every rank to stop; else the failed rank's code (a
+    # signal death as a shell reports it, 128 + n)
+    code = next((code for code in codes if code), 0)
+    return 128 - code if code < 0 else code
