@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from pagoda.server.engine.llm import LLM
 from pagoda.server.engine.llm_engine import LLMEngine
+from pagoda.server.engine.outputs import OutputCollector
 from pagoda.server.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, also under PYTHONSAFEPATH
@@ -42,15 +43,15 @@ def run_pagoda(engine: LLMEngine, prompts, params_list, on_step=None) -> dict:
         engine.add_request(f"b{i}", prompt, params)
     runner = engine.runner
     steps = []
+    collected = OutputCollector()  # the engine hands out deltas
     outputs = {}
     started = time.perf_counter()
     while engine.has_unfinished():
         forward_before = runner.timings.forward_s
         t0 = time.perf_counter()
         num_decodes = sum(len(r.live_seqs()) for r in engine.scheduler.running)
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
+        for request_id in collected.add(engine.step()):
+            outputs[request_id] = collected[request_id]
         steps.append((time.perf_counter() - t0, runner.timings.forward_s - forward_before, num_decodes))
         if on_step is not None:
             on_step(engine)

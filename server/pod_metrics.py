@@ -206,7 +206,8 @@ class _Collected:
 
 
 class RequestTracker:
-    """Turns one engine request's snapshots into latency observations; finish exactly once."""
+    """Turns one engine request's outputs (deltas) into latency observations; finish exactly once.
+    Inter-token latency follows the first sequence (index 0), as vLLM's does."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
@@ -216,23 +217,22 @@ class RequestTracker:
 
     def update(self, output: RequestOutput) -> None:
         times = output.metrics
-        tokens = len(output.outputs[0].token_ids) if output.outputs else 0
-        new = tokens - self._tokens_seen
+        new = sum(len(c.token_ids) for c in output.outputs if c.index == 0)
         if new > 0 and times.last_token_time is not None:
             if self._last_token_time is not None:
-                # Snapshots may coalesce several steps; spread the gap evenly over their tokens.
+                # An output may hold several steps' tokens; spread the gap evenly over them.
                 gap = max(times.last_token_time - self._last_token_time, 0.0) / new
                 for _ in range(new):
                     self._metrics.itl.observe(gap)
-            elif new > 1:  # first snapshot already holds several tokens: gaps after the first one
+            elif new > 1:  # the first output already holds several tokens: gaps after the first one
                 first = times.first_token_time or times.last_token_time
                 gap = max(times.last_token_time - first, 0.0) / (new - 1)
                 for _ in range(new - 1):
                     self._metrics.itl.observe(gap)
-            self._tokens_seen = tokens
+            self._tokens_seen += new
             self._last_token_time = times.last_token_time
         if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else None
+            reason = next((c.finish_reason for c in output.outputs if c.index == 0), None)
             self.finish(reason or "stop", output)
 
     def finish(self, reason: str, output: RequestOutput | None = None) -> None:

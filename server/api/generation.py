@@ -1,8 +1,9 @@
 """Running parsed requests through the engine: engine requests, merged output streams, usage.
 
-A request with several prompts becomes one engine request per prompt; their snapshots are merged into
-one stream. Leaving the stream early (client gone, handler cancelled) cancels every engine request,
-which aborts it in the engine and frees its KV blocks at once.
+A request with several prompts becomes one engine request per prompt; their outputs (deltas: what is
+new each step) are merged into one stream, in the order they come. Leaving the stream early (client
+gone, handler cancelled) cancels every engine request, which aborts it in the engine and frees its KV
+blocks at once.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def engine_aborted() -> APIError:
 async def generate_all(
     state: ServerState, requests: Sequence[Request]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (prompt index, snapshot) from the engine requests (one per prompt), as snapshots arrive.
+    """Yield (prompt index, delta) from the engine requests (one per prompt), as they arrive.
 
     Use inside `contextlib.aclosing` so the engine requests are cancelled as soon as the caller stops.
     """
@@ -99,39 +100,30 @@ async def generate_all(
     try:
         remaining = len(tasks)
         while remaining:
-            batch = [await queue.get()]
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            # Snapshots are cumulative: when the client falls behind, send only the newest per prompt.
-            newest = {index: position for position, (index, item) in enumerate(batch) if _is_snapshot(item)}
-            for position, (index, item) in enumerate(batch):
-                if item is _DONE:
-                    remaining -= 1
-                elif isinstance(item, APIError):
-                    raise item
-                elif isinstance(item, BaseException):
-                    raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
-                elif newest[index] == position:
-                    yield index, item
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            elif isinstance(item, BaseException):
+                raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
+            else:
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _is_snapshot(item: Any) -> bool:
-    return item is not _DONE and not isinstance(item, BaseException)
-
-
-def usage(finals: Sequence[RequestOutput], score_only: bool = False) -> dict[str, Any]:
-    """Every sequence the engine ran counts (best_of's discarded ones too); scoring generates nothing."""
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-    completion_tokens = 0 if score_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
+def usage(outputs: Sequence[RequestOutput], completion_tokens: int) -> dict[str, Any]:
+    """`outputs`: one per prompt (any of its outputs: prompt and cached counts do not change);
+    `completion_tokens`: every sequence the engine ran counts (best_of's discarded ones too)."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)},
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outputs)},
     }
 
 
@@ -185,38 +177,18 @@ def prompt_part(text: str, output: RequestOutput) -> PromptPart:
 
 @dataclasses.dataclass
 class Delta:
+    """What one response chunk (or, whole, one non-streamed choice) says about a choice."""
+
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     prompt: PromptPart | None = None  # on a choice's first delta, when the endpoint repeats the prompt
 
+    @classmethod
+    def of(cls, choice: CompletionOutput, prompt: PromptPart | None, finish_reason: str | None) -> Delta:
+        return cls(choice.text, choice.token_ids, choice.logprobs, finish_reason, prompt)
+
     def without_output(self) -> Delta:
         """Scoring only: the one token the engine had to run is not the client's."""
         return Delta("", [], [] if self.logprobs is not None else None, "length", self.prompt)
-
-
-@dataclasses.dataclass
-class Cursor:
-    """How much of one choice the client has already been sent."""
-
-    chars: int = 0
-    tokens: int = 0
-    finished: bool = False
-    started: bool = False  # a delta was sent
-
-    def advance(self, choice: CompletionOutput, prompt: PromptPart | None = None) -> Delta | None:
-        """What is new in this cumulative snapshot, or None when nothing is; the first delta carries
-        `prompt`."""
-        text = choice.text[self.chars :] if len(choice.text) > self.chars else ""
-        token_ids = choice.token_ids[self.tokens :]
-        logprobs = choice.logprobs[self.tokens :] if choice.logprobs is not None else None
-        # "stop" or "length": a request the engine aborts never gets here, it is answered with an error.
-        reason = choice.finish_reason if choice.finished and not self.finished else None
-        if not text and not token_ids and reason is None:
-            return None
-        self.chars = max(self.chars, len(choice.text))
-        self.tokens = len(choice.token_ids)
-        self.finished = choice.finished
-        first, self.started = not self.started, True
-        return Delta(text, token_ids, logprobs, reason, prompt if first else None)

@@ -8,14 +8,12 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from pagoda.server.api import sse
 from pagoda.server.api.generation import (
-    Cursor,
     Delta,
     PromptPart,
     generate_all,
@@ -23,6 +21,7 @@ from pagoda.server.api.generation import (
     prompt_part,
     usage,
 )
+from pagoda.server.engine.outputs import OutputCollector
 from pagoda.server.protocol import APIError, GenerationRequest
 
 if TYPE_CHECKING:
@@ -71,16 +70,17 @@ async def serve_generation(
     events = generate_all(state, requests)
     async with contextlib.aclosing(events):
         if not req.stream:
-            finals: dict[int, RequestOutput] = {}
-            async for index, output in events:
-                finals[index] = output
-            ordered = [finals[i] for i in range(len(prompts))]
+            collected = OutputCollector()  # one body: the deltas joined
+            async for _, output in events:
+                collected.add([output])
+            finals = [collected[r.request_id] for r in requests]
             choices = []
-            for i, final in enumerate(ordered):
+            for i, final in enumerate(finals):
                 for rank, choice in enumerate(best_choices(final.outputs, n)):
-                    delta = Cursor().advance(choice, part(i, final)) or Delta("", [], [], "stop", part(i, final))
+                    delta = Delta.of(choice, part(i, final), choice.finish_reason)
                     choices.append((i * n + rank, delta.without_output() if req.score_only else delta))
-            return web.json_response(formatter.response(choices, usage(ordered, req.score_only)))
+            generated = 0 if req.score_only else sum(len(c.token_ids) for f in finals for c in f.outputs)
+            return web.json_response(formatter.response(choices, usage(finals, generated)))
         return await _stream(request, events, n, formatter, ids, usage_object if req.include_usage else None, part)
 
 
@@ -108,22 +108,31 @@ async def _stream(
     usage_object: str | None,
     part: Callable[[int, RequestOutput], PromptPart | None],
 ) -> web.StreamResponse:
-    # The first snapshot comes before the headers, so a request the engine refuses is still a 4xx.
+    # The first output comes before the headers, so a request the engine refuses is still a 4xx.
     first = await anext(events)
     response = await sse.open_stream(request)
-    cursors: defaultdict[int, Cursor] = defaultdict(Cursor)
-    started: set[int] = set()
-    finals: dict[int, RequestOutput] = {}
+    parts: dict[int, PromptPart | None] = {}  # per prompt, from its first output (prompt logprobs)
+    started: set[int] = set()  # choices a chunk was sent for
+    ended: set[int] = set()  # choices whose finish_reason was sent
+    last: dict[int, RequestOutput] = {}  # per prompt, for the usage
+    generated = 0
 
     async def send(index: int, output: RequestOutput) -> None:
-        finals[index] = output
-        for choice in output.outputs:
+        nonlocal generated
+        if index not in parts:
+            parts[index] = part(index, output)
+        last[index] = output
+        for choice in output.outputs:  # each holds what is new: sent as it is
             choice_index = index * n + choice.index
-            cursor = cursors[choice_index]
-            delta = cursor.advance(choice, None if cursor.started else part(index, output))
-            if delta is None:
+            generated += len(choice.token_ids)
+            reason = choice.finish_reason if choice_index not in ended else None
+            if not choice.text and not choice.token_ids and reason is None:
                 continue
-            for chunk in formatter.stream_chunks(choice_index, delta, choice_index not in started):
+            if reason is not None:
+                ended.add(choice_index)
+            first_chunk = choice_index not in started
+            delta = Delta.of(choice, parts[index] if first_chunk else None, reason)
+            for chunk in formatter.stream_chunks(choice_index, delta, first_chunk):
                 if usage_object:
                     chunk["usage"] = None
                 await sse.send_event(response, chunk)
@@ -134,9 +143,9 @@ async def _stream(
         async for index, output in events:
             await send(index, output)
         if usage_object:
-            ordered = [finals[i] for i in sorted(finals)]
+            outputs = [last[i] for i in sorted(last)]
             await sse.send_event(
-                response, {**ids.envelope(usage_object), "choices": [], "usage": usage(ordered)}
+                response, {**ids.envelope(usage_object), "choices": [], "usage": usage(outputs, generated)}
             )
         await sse.send_done(response)
     except APIError as error:

@@ -27,8 +27,7 @@ class OfflineBaseline:
         from pagoda.server.engine.sampling_params import SamplingParams
 
         engine = self.llm.engine
-        tokenizer = self.llm.tokenizer
-        prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt) for r in requests]
+        prompts = [engine.encode(r.prompt)[1] for r in requests]  # the engine's encoder, untimed
         self.llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, untimed
         pending = deque(zip(prompts, requests, strict=True))
         cap = max_concurrency or len(requests)
@@ -42,10 +41,9 @@ class OfflineBaseline:
                 )
                 engine.add_request(f"bench-{next(self._ids)}", prompt, params)
                 in_flight += 1
-            for output in engine.step():
-                if output.finished:
-                    in_flight -= 1
-                    tokens += sum(len(choice.token_ids) for choice in output.outputs)
+            for output in engine.step():  # deltas: each holds the tokens new this step
+                tokens += sum(len(choice.token_ids) for choice in output.outputs)
+                in_flight -= output.finished
         duration = time.perf_counter() - start
         return {
             "offline_duration_s": duration,

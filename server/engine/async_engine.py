@@ -2,10 +2,12 @@
 
 All torch work of a serving process runs on the engine thread: it loads the model, sizes the KV pool
 and runs every step. Torch work from a second thread would start a second OpenMP thread team that
-fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are validated on the caller's side (errors raise
-at the first `__anext__`), handed to the step thread through a locked inbox, and their cumulative
-snapshots come back through `loop.call_soon_threadsafe`. A consumer that stops iterating aborts its
-request, which frees its blocks at the next loop turn.
+fights the first for the cores (served throughput fell to ~60 % of offline that way). Requests are
+validated and encoded on the caller's side (`make_request`; errors raise at once, or at the first
+`__anext__` of `generate`), handed to the step thread through a locked inbox, and their outputs (what
+is new each step: deltas, passed on as they are) come back through `loop.call_soon_threadsafe`. A
+consumer that stops iterating aborts its request, which frees its blocks at the next loop turn.
+Liveness (`alive`, `health`) is this front's: only it knows whether its loop runs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Where the step thread delivers one request's snapshots (on the request's event loop)."""
+    """Where the step thread delivers one request's outputs (on the request's event loop)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -90,11 +92,6 @@ class AsyncLLMEngine:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
-
-    @property
-    def alive(self) -> bool:
-        """The step loop runs (False once it failed or was shut down)."""
-        return self._error is None and not self._thread_done
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,8 +162,6 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await stream.queue.get()
-                while not stream.queue.empty() and not isinstance(item, BaseException):
-                    item = stream.queue.get_nowait()  # coalesce: snapshots are cumulative
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop failed") from item
                 finished = item.finished
@@ -193,13 +188,14 @@ class AsyncLLMEngine:
 
     # ---- liveness (only this front knows whether its loop runs) --------------------------------------
     @property
-    def loop_alive(self) -> bool:
+    def alive(self) -> bool:
+        """The step loop runs: started, and neither failed nor shut down."""
         with self._lock:
             return self._thread is not None and not self._thread_done and self._error is None
 
     def health(self) -> tuple[bool, str]:
         """(alive, why): the loop thread runs and, when it has work, keeps finishing steps."""
-        if not self.loop_alive:
+        if not self.alive:
             return False, "engine loop is not running"
         with self._lock:
             busy = self._stats.num_running + self._stats.num_waiting > 0

@@ -4,8 +4,9 @@ New text is the difference between decoding a short window of tokens with and wi
 ones (so byte-level and sentencepiece tokenizers get their spaces right). A decode that ends in
 U+FFFD is an incomplete multi-byte character: it is held back until a later token completes it.
 Stop strings are searched only in the tail that could contain a new match (so they are found across
-token boundaries), and while unfinished the last len(longest stop) - 1 characters stay hidden so a
-snapshot never shows text that a stop string will later remove.
+token boundaries). Text is handed out as deltas (`take`): while unfinished the last
+len(longest stop) - 1 characters stay held back, so no text goes out that a stop string will later
+remove. Only the held-back tail is kept, so each token costs the same however long the output.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class IncrementalDetokenizer:
         self.stop_strings = stop_strings
         self.include_stop = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop_strings), default=1) - 1
-        self.text = ""
+        # Decoded text not handed out yet. A new stop match cannot start in text already handed out:
+        # that text ended at least `holdback` characters before the newest character.
+        self.pending = ""
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -55,8 +58,8 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not final):
             return None
-        old_len = len(self.text)
-        self.text += full_text[len(prefix_text) :]
+        old_len = len(self.pending)
+        self.pending += full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._check_stop(old_len)
@@ -64,16 +67,18 @@ class IncrementalDetokenizer:
     def _check_stop(self, old_len: int) -> str | None:
         found: tuple[int, str] | None = None  # the earliest match wins
         for stop in self.stop_strings:
-            start = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            start = self.pending.find(stop, max(0, old_len - len(stop) + 1))
             if start != -1 and (found is None or start < found[0]):
                 found = (start, stop)
         if found is None:
             return None
         start, stop = found
-        self.text = self.text[: start + len(stop)] if self.include_stop else self.text[:start]
+        self.pending = self.pending[: start + len(stop)] if self.include_stop else self.pending[:start]
         return stop
 
-    def visible_text(self, finished: bool) -> str:
-        if finished or self.holdback == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
+    def take(self, finished: bool) -> str:
+        """The text no stop string can still claim (all of it once finished), handed out once."""
+        keep = 0 if finished else self.holdback
+        cut = max(0, len(self.pending) - keep)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out

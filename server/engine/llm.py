@@ -7,7 +7,7 @@ from collections.abc import Sequence as SequenceABC
 
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.llm_engine import LLMEngine
-from pagoda.server.engine.outputs import RequestOutput
+from pagoda.server.engine.outputs import OutputCollector, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -44,12 +44,11 @@ class LLM:
         ]
         for request in requests:
             self.engine.enqueue(request)
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(requests):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-        return [finished[r.request_id] for r in requests]
+        outputs = OutputCollector()  # the engine hands out deltas: joined here
+        left = len(requests)
+        while left:
+            left -= len(outputs.add(self.engine.step()))
+        return [outputs[r.request_id] for r in requests]
 
     def chat(
         self,

@@ -1,4 +1,4 @@
-"""The synchronous engine: requests in, one `step()` at a time, cumulative snapshots out.
+"""The synchronous engine: requests in, one `step()` at a time, per-request deltas out.
 
 A step = schedule → copy-on-write block copies → model forward → sample → detokenize / stop checks
 → finished sequences free their blocks at once.
@@ -182,18 +182,9 @@ class LLMEngine:
         `RequestError`. `max_tokens_must_fit`: refuse a max_tokens that overruns the context (the
         server's rule for a value the client gave) instead of cutting the output there."""
         params = params or SamplingParams()
-        params.validate()
         prompt_text, prompt_ids = self.encode(prompt)
-        validation.check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
-        if max_tokens_must_fit:
-            validation.check_max_tokens_fit(params.max_tokens, len(prompt_ids), self.max_model_len)
-        validation.check_logit_bias_vocab(params.logit_bias, self.vocab_size)
-        if params.num_seqs > self.scheduler.max_num_seqs:
-            raise RequestError(
-                "n", f"{params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
-            )
-        max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
-        max_total = min(max_total, self.max_model_len)
+        limits = validation.EngineLimits(self.vocab_size, self.max_model_len, self.scheduler.max_num_seqs)
+        max_total = validation.check_request(params, prompt_ids, limits, max_tokens_must_fit)
         self._check_fits(len(prompt_ids), max_total, params)
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop_strings, params.include_stop_str_in_output
@@ -205,15 +196,8 @@ class LLMEngine:
 
     def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
         """A request that can never fit in the pool, even alone, is refused up front."""
-        pool, width, tail = self.block_manager.num_blocks, params.num_seqs, max_total - prompt_len
-        needed = self.block_manager.blocks_for_request(prompt_len, max_total, width)
-        if needed > pool:
-            raise RequestError(
-                "prompt",
-                f"this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
-                f"{tail} output tokens, {width} sequence(s)) but the pool has {pool}; lower max_tokens "
-                "or give the KV cache more memory"
-            )
+        needed = self.block_manager.blocks_for_request(prompt_len, max_total, params.num_seqs)
+        validation.check_pool(needed, self.block_manager.num_blocks, prompt_len, max_total, params.num_seqs)
 
     def add_request(
         self,
@@ -247,7 +231,9 @@ class LLMEngine:
             seq.finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
-        return request.to_output()
+        output = request.take_output()
+        assert output is not None  # a finished request always has its last output
+        return output
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -260,6 +246,7 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; the outputs of the requests it moved: what is new for each since its last one."""
         self.kv_events.step = self.num_steps + 1  # events of this step; snapshots show completed steps
         out = self.scheduler.schedule()
         for request in out.unservable:
@@ -291,7 +278,9 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.scheduler.finish_request(request)
                 self.requests.pop(request.request_id, None)
-            outputs.append(request.to_output())
+            output = request.take_output()
+            if output is not None:
+                outputs.append(output)
         self.scheduler.drop_finished()
         self.num_steps += 1
         return outputs
@@ -424,18 +413,5 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
             step_histograms=self.step_histograms.copy(),
-            **self._roofline_stats(),
+            **self.roofline.stats_fields(),
         )
-
-    def _roofline_stats(self) -> dict:
-        meter = self.roofline
-        return {
-            "step_bytes_total": meter.bytes_total,
-            "step_flops_total": meter.flops_total,
-            "step_seconds_total": meter.seconds_total,
-            "step_bound_counts": dict(meter.bound_steps),
-            "peak_bytes_per_s": meter.peaks.bytes_per_s,
-            "peak_flops_per_s": meter.peaks.flops_per_s,
-            "peak_source": meter.peaks.source,
-            "last_step_roofline": meter.last.as_dict() if meter.last else None,
-        }

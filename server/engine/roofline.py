@@ -238,3 +238,16 @@ class RooflineMeter:
         if self.recording is not None:
             self.recording.append(step)
         return step
+
+    def stats_fields(self) -> dict:
+        """The running totals, peaks and last step, as `EngineStats` fields."""
+        return {
+            "step_bytes_total": self.bytes_total,
+            "step_flops_total": self.flops_total,
+            "step_seconds_total": self.seconds_total,
+            "step_bound_counts": dict(self.bound_steps),
+            "peak_bytes_per_s": self.peaks.bytes_per_s,
+            "peak_flops_per_s": self.peaks.flops_per_s,
+            "peak_source": self.peaks.source,
+            "last_step_roofline": self.last.as_dict() if self.last else None,
+        }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -36,6 +37,28 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
+        self.num_sent_tokens = 0  # output tokens already handed out (outputs are deltas)
+        self.finish_sent = False
+
+    def take_delta(self, index: int, want_logprobs: bool, final: bool) -> CompletionOutput | None:
+        """What is new since the last delta (None when nothing is; `final`: the request's last output,
+        which lists every sequence)."""
+        start = self.prompt_len + self.num_sent_tokens
+        token_ids = self.token_ids[start:]
+        text = self.detokenizer.take(self.finished)
+        if not token_ids and not text and (self.finish_sent or not self.finished) and not final:
+            return None
+        self.num_sent_tokens += len(token_ids)
+        self.finish_sent = self.finished
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.output_logprobs[start - self.prompt_len :] if want_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +84,7 @@ class Sequence:
         child.finished = self.finished
         child.output_logprobs = list(self.output_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
+        child.num_sent_tokens = self.num_sent_tokens
         return child
 
 
@@ -89,6 +113,7 @@ class Request:
         self.finished_beams: list[tuple[float, Sequence]] = []  # beam search: (score, hypothesis), best first
         self.beam_improvable = True  # beam search: can running beams still beat the finished ones?
         self.pending_beam_logits: dict[int, torch.Tensor] = {}  # beam search: beam index -> its logits
+        self.first_output_sent = False
         # prompt_logprobs: per prompt position {its token: logprob, + top-k} (None for the first) and
         # its token's rank; filled chunk by chunk (engine/prompt_logprobs.py).
         wants_prompt = params.prompt_logprobs is not None
@@ -109,26 +134,25 @@ class Request:
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def to_output(self) -> RequestOutput:
+    def take_output(self) -> RequestOutput | None:
+        """What is new since the previous output (None when nothing is). Beam search hands out its
+        best beams once, when finished: until then a beam's tokens may still be replaced."""
         finished = self.finished
         if self.params.use_beam_search:
-            seqs = self.seqs[: self.params.n]  # best first once finished; text comes at the end
+            if not finished:
+                return None
+            seqs = list(enumerate(self.seqs[: self.params.n]))  # best first; index = rank
         else:
-            seqs = sorted(self.seqs, key=lambda s: s.index)
-        outputs = []
-        for rank, seq in enumerate(seqs):
-            want_logprobs = self.params.logprobs is not None
-            outputs.append(
-                CompletionOutput(
-                    index=rank if self.params.use_beam_search else seq.index,
-                    text=seq.detokenizer.visible_text(seq.finished),
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if want_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
+            seqs = [(seq.index, seq) for seq in sorted(self.seqs, key=lambda s: s.index)]
+        want_logprobs = self.params.logprobs is not None
+        outputs = [
+            delta
+            for index, seq in seqs
+            if (delta := seq.take_delta(index, want_logprobs, final=finished)) is not None
+        ]
+        if not outputs and not finished:
+            return None
+        first, self.first_output_sent = not self.first_output_sent, True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -136,7 +160,7 @@ class Request:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=self.metrics,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-            prompt_token_ranks=list(self.prompt_token_ranks) if self.prompt_token_ranks is not None else None,
+            metrics=copy.copy(self.metrics),  # the times as of this output (the engine goes on)
+            prompt_logprobs=self.prompt_logprobs if first else None,
+            prompt_token_ranks=self.prompt_token_ranks if first else None,
         )

@@ -1,8 +1,8 @@
 """The rules a request must meet, in one place, for the offline API and the server alike.
 
 `check_sampling` holds every bound on the sampling parameters (`SamplingParams.validate` calls it);
-`check_prompt` and `check_logit_bias_vocab` the rules that need the model (its context length, the
-embedding rows it can index). A broken rule raises `RequestError(param, message, code)`: the server
+`check_request` adds the rules that need the engine (its context length, the embedding rows the
+model can index, the batch seats) and `check_pool` the KV pool's size. A broken rule raises `RequestError(param, message, code)`: the server
 answers it as OpenAI's 400 with `param` and `code`, the offline API raises it (a `ValueError` whose
 text reads "param: message").
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from pagoda.server.engine.sampling_params import SamplingParams
@@ -50,7 +50,9 @@ def is_number(value: Any) -> bool:
 
 
 def _in_range(param: str, value: Any, lo: float, hi: float) -> None:
-    _check(is_number(value) and lo <= value <= hi, param, f"must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    _check(
+        is_number(value) and lo <= value <= hi, param, f"must be a number in [{lo:g}, {hi:g}], got {value!r}"
+    )
 
 
 def _int_in_range(param: str, value: Any, lo: int, hi: int) -> None:
@@ -140,3 +142,31 @@ def check_max_tokens_fit(max_tokens: int | None, prompt_len: int, max_model_len:
            f"the model's maximum context length is {max_model_len} tokens; {prompt_len + max_tokens} were "
            f"requested ({prompt_len} in the prompt, {max_tokens} for the completion). Reduce the prompt or "
            "max_tokens.", CONTEXT_LENGTH_EXCEEDED)  # fmt: skip
+
+
+class EngineLimits(NamedTuple):
+    vocab_size: int  # the embedding rows: every token id must be below this
+    max_model_len: int
+    max_num_seqs: int
+
+
+def check_request(
+    params: SamplingParams, prompt_ids: Sequence[int], limits: EngineLimits, max_tokens_must_fit: bool
+) -> int:
+    """Every rule on one request but the pool's; returns its most tokens (prompt + output)."""
+    params.validate()
+    check_prompt(prompt_ids, limits.vocab_size, limits.max_model_len)
+    if max_tokens_must_fit:
+        check_max_tokens_fit(params.max_tokens, len(prompt_ids), limits.max_model_len)
+    check_logit_bias_vocab(params.logit_bias, limits.vocab_size)
+    _check(params.num_seqs <= limits.max_num_seqs, "n",
+           f"{params.num_seqs} sequences exceed max_num_seqs {limits.max_num_seqs}")  # fmt: skip
+    return min(len(prompt_ids) + (params.max_tokens or limits.max_model_len), limits.max_model_len)
+
+
+def check_pool(needed: int, pool: int, prompt_len: int, max_total: int, width: int) -> None:
+    """A request that needs more KV blocks than the whole pool holds can never run."""
+    _check(needed <= pool, "prompt",
+           f"this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, {max_total - prompt_len} "
+           f"output tokens, {width} sequence(s)) but the pool has {pool}; lower max_tokens or give the KV "
+           "cache more memory")  # fmt: skip

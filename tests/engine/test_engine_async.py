@@ -1,9 +1,8 @@
-"""AsyncLLMEngine: streaming snapshots from the step thread, abort on consumer exit, stats."""
+"""AsyncLLMEngine: streaming deltas from the step thread, abort on consumer exit, stats, liveness."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import pytest
 from pagoda.server.engine.async_engine import AsyncLLMEngine
@@ -23,19 +22,21 @@ async def collect(engine, prompt, params, request_id):
     return [o async for o in engine.generate(prompt, params, request_id)]
 
 
-async def test_concurrent_streams_are_cumulative_and_match_offline(engine, llama):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+async def test_concurrent_streams_are_deltas_and_match_offline(engine, llama):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     prompts = [list(range(10, 30)), [5, 6, 7]]
     streams = await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
     expected = llama.llm().generate(prompts, params)
-    for snapshots, offline in zip(streams, expected, strict=True):
-        assert snapshots[-1].finished and not any(s.finished for s in snapshots[:-1])
-        tokens = [s.outputs[0].token_ids for s in snapshots]
-        assert all(b[: len(a)] == a for a, b in itertools.pairwise(tokens))  # cumulative
-        assert tokens[-1] == offline.outputs[0].token_ids
-        assert snapshots[-1].outputs[0].text == offline.outputs[0].text
+    for deltas, offline in zip(streams, expected, strict=True):
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        # each delta holds only what is new: joined, they are the offline output exactly
+        tokens = [t for d in deltas for c in d.outputs for t in c.token_ids]
+        assert all(len(c.token_ids) == len(c.logprobs) for d in deltas for c in d.outputs)
+        assert tokens == offline.outputs[0].token_ids
+        assert "".join(c.text for d in deltas for c in d.outputs) == offline.outputs[0].text
+        assert [e for d in deltas for c in d.outputs for e in c.logprobs] == offline.outputs[0].logprobs
     stats = engine.stats()
-    assert engine.loop_alive and stats.generation_tokens == 24 and stats.num_running == 0
+    assert engine.alive and stats.generation_tokens == 24 and stats.num_running == 0
     assert stats.step_histograms.tokens.sum == 20 + 3 + 2 * 11
     assert engine.stats().step_histograms.tokens.sum == 20 + 3 + 2 * 11  # a read drains nothing
     assert engine.health() == (True, "ok")
@@ -75,8 +76,23 @@ async def test_explicit_abort(engine):
 
 async def test_liveness_is_the_async_fronts_own(llama):
     engine = AsyncLLMEngine(EngineArgs(device="cpu", kv_cache_memory=16 << 20), loaded=llama.loaded)
-    assert not engine.loop_alive  # not started
+    assert not engine.alive  # not started
     await engine.start()
-    assert engine.loop_alive and engine.health() == (True, "ok")
+    assert engine.alive and engine.health() == (True, "ok")
     await engine.shutdown()
-    assert not engine.loop_alive and engine.health() == (False, "engine loop is not running")
+    assert not engine.alive and engine.health() == (False, "engine loop is not running")
+
+
+async def test_a_busy_loop_that_makes_no_progress_is_unhealthy(engine):
+    """Stall detection: work waiting and no step finished for STALL_SECONDS (simulated: the loop is
+    parked, so neither its stats nor its progress time move while we set them)."""
+    from pagoda.server.engine.async_engine import STALL_SECONDS
+    from pagoda.server.engine.outputs import EngineStats
+
+    with engine._lock:
+        engine._last_progress -= STALL_SECONDS + 1  # idle that long is fine
+    assert engine.health() == (True, "ok")
+    with engine._lock:
+        engine._stats = EngineStats(num_waiting=1)  # ... but not with work waiting
+    alive, why = engine.health()
+    assert not alive and "has not finished a step" in why

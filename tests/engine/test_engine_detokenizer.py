@@ -15,12 +15,14 @@ def test_incremental_text_equals_full_decode_and_never_shows_replacement_chars(l
     # Byte-level BPE: the emoji and CJK characters span several tokens here.
     assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))
     detok = IncrementalDetokenizer(tok, tok.encode("Hello"), stop_strings=[])
+    text = ""
     seen = []
     for token in ids:
         detok.append(token)
-        assert "\ufffd" not in detok.text
-        seen.append(detok.text)
-    assert detok.text == tok.decode(ids)
+        text += detok.take(finished=False)  # deltas: what is new since the last take
+        assert "\ufffd" not in text
+        seen.append(text)
+    assert text == tok.decode(ids)
     assert all(b.startswith(a) for a, b in itertools.pairwise(seen))  # only ever grows
 
 
@@ -29,10 +31,11 @@ def test_stop_string_is_held_back_while_it_could_still_match(llama):
     ids = tok.encode(" The quick brown fox", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, [], stop_strings=["brown fox"])
     stopped = None
+    visible = ""
     for token in ids:
         stopped = detok.append(token)
-        visible = detok.visible_text(finished=stopped is not None)
+        visible += detok.take(finished=stopped is not None)
         assert "brown" not in visible or stopped
         if stopped:
             break
-    assert stopped == "brown fox" and detok.text == " The quick "
+    assert stopped == "brown fox" and visible == " The quick "

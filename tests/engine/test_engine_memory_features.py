@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from pagoda.server.engine.outputs import OutputCollector
 from pagoda.server.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -84,20 +85,20 @@ def test_chunked_prefill_matches_unchunked_and_decodes_keep_going(llama):
     llm = llama.llm(max_num_batched_tokens=16)
     engine = llm.engine
     engine.add_request("short", short, params)
-    engine.step()  # short is now decoding
+    outputs = OutputCollector()  # the engine hands out deltas
+    outputs.add(engine.step())  # short is now decoding
     engine.add_request("long", long_prompt, params)
     short_tokens_during_prefill = 0
-    outputs = {}
     while "long" not in outputs or not outputs["long"].outputs[0].token_ids:
         ran_before = engine.stats().step_histograms.tokens.sum
         step_outputs = {o.request_id: o for o in engine.step()}
         assert engine.stats().step_histograms.tokens.sum - ran_before <= 16
         if "short" in step_outputs and not step_outputs.get("long"):
             short_tokens_during_prefill += 1
-        outputs.update(step_outputs)
+        outputs.add(step_outputs.values())
     assert short_tokens_during_prefill >= 7  # 120 tokens at 15 per step: the decode never waited
     while engine.has_unfinished():
-        outputs.update({o.request_id: o for o in engine.step()})
+        outputs.add(engine.step())
     assert [outputs["short"].outputs[0].token_ids, outputs["long"].outputs[0].token_ids] == reference
 
 
@@ -168,9 +169,9 @@ def test_a_request_the_whole_pool_cannot_hold_is_aborted_and_the_engine_goes_on(
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     monkeypatch.setattr(engine, "_check_fits", lambda *args: None)
     engine.add_request("too-long", list(range(5, 15)), params)  # 10 + 30 tokens > 16 slots
-    outputs = {}
+    outputs = OutputCollector()  # the engine hands out deltas
     while engine.has_unfinished():
-        outputs.update({o.request_id: o for o in engine.step()})
+        outputs.add(engine.step())
     dropped = outputs["too-long"]
     assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
     assert 0 < len(dropped.outputs[0].token_ids) < 30

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from pagoda.server.engine.outputs import OutputCollector
 from pagoda.server.engine.sampling_params import SamplingParams
 from support.tiny_models import TINY_FAMILIES
 
@@ -15,6 +16,7 @@ TINY_PROMPT_LENS = [1, 3, 7, 15, 16, 17, 33, 61, 100]
 
 def run_staggered(engine, prompts: list[list[int]], params: SamplingParams, waves=(3, 3)) -> dict[str, list]:
     """Add prompts in waves with a few steps between them; return each request's final output."""
+    collected = OutputCollector()  # the engine hands out deltas
     finished = {}
     pending = list(enumerate(prompts))
     for wave in [*waves, len(prompts)]:
@@ -22,13 +24,11 @@ def run_staggered(engine, prompts: list[list[int]], params: SamplingParams, wave
             engine.add_request(str(i), ids, params)
         pending = pending[wave:]
         for _ in range(2):
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+            for request_id in collected.add(engine.step()):
+                finished[request_id] = collected[request_id]
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        for request_id in collected.add(engine.step()):
+            finished[request_id] = collected[request_id]
     return finished
 
 

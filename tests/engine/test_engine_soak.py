@@ -14,7 +14,7 @@ import random
 from collections import Counter
 
 import pytest
-from pagoda.server.engine.outputs import RequestOutput
+from pagoda.server.engine.outputs import OutputCollector, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
 
 
@@ -98,6 +98,7 @@ def test_soak_keeps_block_accounting_exact_and_outputs_unchanged(tiny, family, s
     submitted: dict[str, tuple[str, list[int], SamplingParams]] = {}
     finished: dict[str, RequestOutput] = {}
     aborted: set[str] = set()
+    collected = OutputCollector()  # the engine hands out deltas
     steps = 0
     while len(submitted) < NUM_REQUESTS or engine.has_unfinished():
         if len(submitted) < NUM_REQUESTS:
@@ -114,9 +115,8 @@ def test_soak_keeps_block_accounting_exact_and_outputs_unchanged(tiny, family, s
             # Sequences of the request that had already finished keep their own reason.
             assert output.finished and any(c.finish_reason == "abort" for c in output.outputs)
             aborted.add(victim)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
+        for request_id in collected.add(engine.step()):
+            finished[request_id] = collected[request_id]
         assert_block_accounting(engine)
         steps += 1
         assert steps < 2000, "the engine stopped making progress"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pagoda.server.engine.async_engine import AsyncLLMEngine
 from pagoda.server.engine.config import EngineArgs
+from pagoda.server.engine.outputs import OutputCollector
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.validation import MAX_LOGPROBS
 
@@ -33,16 +34,17 @@ def test_bad_request_raises_before_scheduling_and_engine_keeps_serving(llama, pr
     llm = llama.llm()
     engine = llm.engine
     engine.add_request("good", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    engine.step()
+    outputs = OutputCollector()  # the engine hands out deltas
+    outputs.add(engine.step())
     with pytest.raises(ValueError) as info:
         engine.add_request("bad", prompt, params)
     assert message in str(info.value)
     assert "bad" not in engine.requests and all(r.request_id != "bad" for r in engine.scheduler.waiting)
-    outputs = []
+    finished = []
     while engine.has_unfinished():
-        outputs += engine.step()
-    assert outputs[-1].request_id == "good" and outputs[-1].finished
-    assert len(outputs[-1].outputs[0].token_ids) == 4
+        finished += outputs.add(engine.step())
+    assert finished == ["good"] and outputs["good"].finished
+    assert len(outputs["good"].outputs[0].token_ids) == 4
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -61,10 +63,12 @@ async def test_async_engine_raises_at_first_anext_and_keeps_serving(llama):
         stream = engine.generate("", SamplingParams(), "bad")
         with pytest.raises(ValueError, match="prompt: must not be empty"):
             await stream.__anext__()
-        snapshots = [
+        deltas = [
             o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "ok")
         ]
-        final = snapshots[-1]
+        collected = OutputCollector()
+        assert collected.add(deltas) == ["ok"]
+        final = collected["ok"]
         assert final.finished and len(final.outputs[0].token_ids) == 3
     finally:
         await engine.shutdown()

@@ -114,4 +114,4 @@ def test_malformed_requests_get_openai_errors_and_leave_nothing_behind(small_bod
     while (stats := server.stats()).num_blocks_used and time.monotonic() < deadline:
         time.sleep(0.05)
     assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
-    assert server.state.engine.loop_alive and server.state.in_flight == 0
+    assert server.state.engine.alive and server.state.in_flight == 0

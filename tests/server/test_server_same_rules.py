@@ -4,19 +4,21 @@ through the engine's one set of rules (server/engine/validation.py)."""
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_ENGINE
 from pagoda.server.engine.llm import LLM
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.validation import MAX_N, RequestError
 
-VOCAB = "vocab"  # stands for the model's embedding rows, known once it is loaded
+# Stand-ins for what the server's engine settles (the `tiny_engine` fixture, the loaded model):
+VOCAB = "vocab"  # the model's embedding rows
+FULL_CONTEXT = "a prompt of max_model_len tokens"
+SEATS_PLUS_ONE = "max_num_seqs + 1"
 
 # (name, prompt, SamplingParams fields = the same /v1/completions fields, param, code)
 BAD = [
     ("empty prompt", "", {}, "prompt", None),
     ("token id = embedding rows", [5, VOCAB], {}, "prompt", None),
     ("negative token id", [5, -1], {}, "prompt", None),
-    ("prompt fills the context", [5] * TINY_ENGINE["max_model_len"], {}, "prompt", "context_length_exceeded"),
+    ("prompt fills the context", FULL_CONTEXT, {}, "prompt", "context_length_exceeded"),
     ("temperature negative", "Hi", {"temperature": -0.5}, "temperature", None),
     ("temperature above 2", "Hi", {"temperature": 2.5}, "temperature", None),
     ("top_p zero", "Hi", {"top_p": 0.0}, "top_p", None),
@@ -28,7 +30,7 @@ BAD = [
     ("repetition_penalty zero", "Hi", {"repetition_penalty": 0.0}, "repetition_penalty", None),
     ("n zero", "Hi", {"n": 0}, "n", None),
     ("n above the cap", "Hi", {"n": MAX_N + 1}, "n", None),
-    ("n above the batch seats", "Hi", {"n": TINY_ENGINE["max_num_seqs"] + 1}, "n", None),
+    ("n above the batch seats", "Hi", {"n": SEATS_PLUS_ONE}, "n", None),
     ("best_of below n", "Hi", {"n": 3, "best_of": 2}, "best_of", None),
     ("max_tokens negative", "Hi", {"max_tokens": -3}, "max_tokens", None),
     ("logprobs above 20", "Hi", {"logprobs": 21}, "logprobs", None),
@@ -43,17 +45,17 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_dir) -> LLM:
-    return LLM(str(tiny_dir), **TINY_ENGINE)
+def offline(tiny_dir, tiny_engine) -> LLM:
+    return LLM(str(tiny_dir), **tiny_engine)  # the same engine settings as the `server` fixture's
 
 
-def resolve(value, vocab: int):
-    if value == VOCAB:
-        return vocab
+def resolve(value, known: dict):
+    if isinstance(value, str) and value in known:
+        return known[value]
     if isinstance(value, list):
-        return [resolve(v, vocab) for v in value]
+        return [resolve(v, known) for v in value]
     if isinstance(value, dict):
-        return {resolve(k, vocab): resolve(v, vocab) for k, v in value.items()}
+        return {resolve(k, known): resolve(v, known) for k, v in value.items()}
     return value
 
 
@@ -65,10 +67,14 @@ def wire(fields: dict) -> dict:
 
 
 @pytest.mark.parametrize(("name", "prompt", "fields", "param", "code"), BAD, ids=[row[0] for row in BAD])
-def test_server_and_offline_refuse_alike(offline, server, http_request, name, prompt, fields, param, code):
+def test_server_and_offline_refuse_alike(
+    offline, server, tiny_engine, http_request, name, prompt, fields, param, code
+):
     vocab = offline.engine.vocab_size
     assert vocab == server.state.engine.engine.vocab_size
-    prompt, fields = resolve(prompt, vocab), resolve(fields, vocab)
+    known = {VOCAB: vocab, FULL_CONTEXT: [5] * tiny_engine["max_model_len"],
+             SEATS_PLUS_ONE: tiny_engine["max_num_seqs"] + 1}  # fmt: skip
+    prompt, fields = resolve(prompt, known), resolve(fields, known)
 
     with pytest.raises(RequestError) as info:
         offline.generate(prompt, SamplingParams(**fields))

@@ -142,7 +142,7 @@ async def test_soak_under_preemption_and_disconnects_leaves_nothing_and_answers_
     await asyncio.wait_for(idle(), timeout=30)
     # Walkaways whose whole answer was generated before the server saw them leave end as "length".
     assert server.state.metrics.finished["abort"]._value.get() > aborts_before
-    assert server.state.engine.loop_alive
+    assert server.state.engine.alive
     after = await client.completions.create(model=model, prompt="the cat", max_tokens=5, extra_body=EXACT)
     assert after.usage.completion_tokens == 5
     await client.close()
