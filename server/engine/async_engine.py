@@ -90,11 +90,6 @@ class AsyncLLMEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
 
-    @property
-    def alive(self) -> bool:
-        """The step loop runs (False once it failed or was shut down)."""
-        return self._error is None and not self._thread_done
-
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine thread and wait until it has built the engine (load errors raise here)."""
