@@ -42,6 +42,7 @@ from e2e.local import CR_PATH, NAME, NAMESPACE, start_operator
 from e2e.pod_runner import PodRunner
 
 CLIENTS = 6  # closed-loop users: 2 servers x (1 running + 2 waiting)
+THINK_S = 0.5  # each user waits a random 0..0.5 s before its next request
 TIMEOUT_S = 60.0  # the clients' timeout: a fault must end a request well before it
 RESOURCE = f"{crd.API_VERSION}/{crd.PLURAL}"
 
@@ -204,7 +205,7 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
             assert resp.status in (200, 201), await resp.text()
             await cluster.wait_until("2 replicas ready", lambda: len(runner.ready_backends()) == 2, 240)
             await cluster.wait_until("warm spare ready", runner.spares_ready, 240)
-            users = asyncio.create_task(load.closed_loop(CLIENTS, stop_load))
+            users = asyncio.create_task(load.closed_loop(CLIENTS, stop_load, think_s=THINK_S))
             await asyncio.sleep(8)
             results["pod_kill"] = await pod_kill(cluster, load)
             results["operator_restart"] = await operator_restart(cluster, load)

@@ -85,3 +85,12 @@ def test_a_restarted_server_degrades_until_ready_again():
     assert problem is not None and problem.failing and problem.reason == "ServerRestarted"
     assert "code 137" in problem.message and "1 restarts" in problem.message
     assert status.pod_problem(restarted(ready=True)) is None  # serving again: nothing to report
+
+
+def test_a_pod_that_answers_again_loses_its_error_in_status():
+    """status.autoscaling.metrics is merge-patched: keys of the previous round must be removed."""
+    from pagoda.operator.autoscaling.scale_status import pod_metrics_patch
+
+    previous = {"p": {"ready": True, "error": "no recent series in prometheus"}, "gone": {"ready": False}}
+    patch = pod_metrics_patch({"p": {"ready": True, "kvCacheUsage": 0.5}}, previous)
+    assert patch == {"p": {"error": None, "ready": True, "kvCacheUsage": 0.5}}
