@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+# The engine settings default to what `pagoda serve` itself defaults to (EngineArgs, the one definition).
+from pagoda.server.engine.config import DEFAULTS as ENGINE_DEFAULTS
+
 GROUP = "serving.pagoda.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
@@ -104,15 +107,18 @@ RESOURCES = _obj("Compute resources and placement of each serving pod.", default
 
 ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment variables.", default={},
               properties={
-    "blockSize": _int("Tokens per KV-cache block.", default=16, enum=[8, 16, 32, 64, 128]),
+    "blockSize": _int("Tokens per KV-cache block.", default=ENGINE_DEFAULTS["block_size"], enum=[8, 16, 32, 64, 128]),
     "maxModelLen": _int("Max prompt + output tokens; default: the model's.", minimum=16, maximum=1048576),
-    "maxNumSeqs": _int("Max sequences in the running batch.", default=256, minimum=1, maximum=4096),
+    "maxNumSeqs": _int("Max sequences in the running batch.", default=ENGINE_DEFAULTS["max_num_seqs"], minimum=1, maximum=4096),
     "maxNumBatchedTokens": _int("Max tokens per engine step.", minimum=16, maximum=1048576),
-    "gpuMemoryUtilization": _num("Share of GPU memory for weights + KV cache.", default=0.9,
+    "gpuMemoryUtilization": _num("Share of GPU memory for weights + KV cache.",
+                                 default=ENGINE_DEFAULTS["gpu_memory_utilization"],
                                  minimum=0.05, maximum=0.99),
-    "enablePrefixCaching": _bool("Reuse KV blocks of shared prompt prefixes.", default=True),
-    "enableChunkedPrefill": _bool("Prefill long prompts in chunks.", default=True),
-    "dtype": _str("Weights/KV dtype.", default="auto", enum=["auto", "bfloat16", "float16", "float32"]),
+    "enablePrefixCaching": _bool("Reuse KV blocks of shared prompt prefixes.",
+                                 default=ENGINE_DEFAULTS["enable_prefix_caching"]),
+    "enableChunkedPrefill": _bool("Prefill long prompts in chunks.",
+                                  default=ENGINE_DEFAULTS["enable_chunked_prefill"]),
+    "dtype": _str("Weights/KV dtype.", default=ENGINE_DEFAULTS["dtype"], enum=["auto", "bfloat16", "float16", "float32"]),
     "seed": _int("Seed for requests without their own.", minimum=0),
     "extraArgs": {"type": "array", "description": "Extra `pagoda serve` arguments, appended verbatim.",
                   "items": {"type": "string", "maxLength": 1024}, "maxItems": 64},

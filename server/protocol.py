@@ -1,21 +1,21 @@
-"""OpenAI request validation and error bodies: JSON in, typed requests (or an `APIError`) out.
+"""OpenAI request parsing and error bodies: JSON in, typed requests (or an `APIError`) out.
 
-Everything a client can send is checked here, before the engine sees it, so malformed input becomes a
-4xx with OpenAI's error JSON and never reaches the step loop. Unknown top-level fields are refused
-(like OpenAI does) except a few harmless ones that only carry client bookkeeping.
+This module reads shapes and types (an int, a list of strings, OpenAI's four prompt shapes) and the
+rules of the HTTP API itself (echo with max_tokens 0, stream_options only with stream, ...). The
+bounds on values are the engine's (`engine/validation.py`, the same for the offline API): the
+`SamplingParams` built here are checked there, and a `RequestError` becomes a 400 naming the field
+as the client spelt it. Unknown top-level fields are refused (like OpenAI does) except a few harmless
+ones that only carry client bookkeeping.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from pagoda.server.engine.sampling_params import SamplingParams
+from pagoda.server.engine.validation import RequestError, check_choices, check_logprobs, is_int, is_number
 
-MAX_N = 16  # choices per request; more is almost always a client bug and multiplies KV use
-MAX_STOP_SEQUENCES = 16
-MAX_LOGIT_BIAS_ENTRIES = 1024
 # Fields OpenAI clients may send that change nothing about generation.
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 
@@ -47,11 +47,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def error_from_validation(exc: ValueError) -> APIError:
-    """SamplingParams.validate() messages read "<param>: <what is wrong>"."""
-    text = str(exc)
-    param, sep, _ = text.partition(": ")
-    return bad_request(text, param=param if sep and param.isidentifier() else None)
+def error_from_validation(exc: RequestError, wire_names: dict[str, str] | None = None) -> APIError:
+    """A broken engine rule as a 400; `wire_names`: SamplingParams field -> the request's field name."""
+    param = (wire_names or {}).get(exc.param, exc.param)
+    return bad_request(f"{param}: {exc.message}", param=param, code=exc.code)
 
 
 @dataclass
@@ -76,6 +75,8 @@ class GenerationRequest:
     n: int = 1
     # max_tokens 0 with echo: only the prompt is scored. The engine runs one token, which is dropped.
     score_only: bool = False
+    # SamplingParams field -> the name this request gave it (chat: max_completion_tokens, top_logprobs)
+    wire_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,36 +96,21 @@ class ChatRequest(GenerationRequest):
 # Typed field readers: each raises a 400 naming the parameter.
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _int(
-    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
-) -> int | None:
+def _int(body: dict, name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value):
+    if not is_int(value):
         raise bad_request(f"{name}: must be an integer, got {value!r}", param=name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise bad_request(f"{name}: must be in {bounds}, got {value}", param=name)
     return value
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _float(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_number(value):
+    if not is_number(value):
         raise bad_request(f"{name}: must be a finite number, got {value!r}", param=name)
-    if not lo <= value <= hi:
-        raise bad_request(f"{name}: must be in [{lo}, {hi}], got {value}", param=name)
     return float(value)
 
 
@@ -142,10 +128,8 @@ def _stop(body: dict) -> list[str] | None:
     if value is None:
         return None
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request("stop: must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad_request(f"stop: at most {MAX_STOP_SEQUENCES} sequences", param="stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop: must be a string or a list of strings", param="stop")
     return stops or None
 
 
@@ -153,31 +137,26 @@ def _stop_token_ids(body: dict) -> list[int] | None:
     value = body.get("stop_token_ids")
     if value is None:
         return None
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise bad_request("stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
+        raise bad_request("stop_token_ids: must be a list of integers", param="stop_token_ids")
     return value
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
-    """OpenAI's {"token id": bias}: JSON keys are strings of token ids, biases in [-100, 100]."""
+    """OpenAI's {"token id": bias}: JSON keys are strings of token ids, biases numbers."""
     value = body.get("logit_bias")
     if value is None or value == {}:
         return None
-    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(
-            f"logit_bias: must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids", param="logit_bias"
-        )
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias: must be an object of token ids", param="logit_bias")
     bias = {}
     for key, number in value.items():
-        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+        token = key if is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
         if token is None:
             raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-        if not _is_number(number) or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
-            raise bad_request(
-                f"logit_bias: values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {number!r} "
-                f"for token {key}",
-                param="logit_bias",
-            )
+        if not is_number(number):
+            raise bad_request(f"logit_bias: values must be numbers, got {number!r} for token {key}",
+                              param="logit_bias")  # fmt: skip
         bias[token] = float(number)
     return bias
 
@@ -194,39 +173,33 @@ def _refuse_unsupported(body: dict, name: str, supported: Any = None, why: str =
         raise bad_request(f"{name}: {why}", param=name)
 
 
-def _common(
-    body: dict, default_max_tokens: int | None, min_max_tokens: int = 1
-) -> tuple[dict, int, bool, bool]:
+def _common(body: dict, default_max_tokens: int | None) -> tuple[dict, int, bool, bool]:
     """Read the sampling fields both endpoints share: (SamplingParams kwargs, n, stream, include_usage).
 
     kwargs["n"] is what the engine runs: best_of when given (the server keeps the best n)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model: must be a string, got {model!r}", param="model")
-    n = _int(body, "n", 1, 1, MAX_N)
-    best_of = _int(body, "best_of", None, 1, MAX_N)
-    if best_of is not None and best_of < n:
-        raise bad_request(f"best_of: must be >= n ({n}), got {best_of}", param="best_of")
-    max_tokens = _int(body, "max_tokens", default_max_tokens, min_max_tokens)
+    n = _int(body, "n", 1)
+    best_of = _int(body, "best_of", None)
+    check_choices(n, best_of)  # best_of here: sampled, of which the server keeps the n best
     kwargs = dict(
         n=best_of or n,
-        max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_int(body, "top_k", -1, -1),
-        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-        seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
+        max_tokens=_int(body, "max_tokens", default_max_tokens),
+        temperature=_float(body, "temperature", 1.0),
+        top_p=_float(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", -1),
+        min_p=_float(body, "min_p", 0.0),
+        seed=_int(body, "seed", None),
         stop=_stop(body),
         stop_token_ids=_stop_token_ids(body),
         ignore_eos=_bool(body, "ignore_eos", False),
-        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0, 1e-6, 100.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         logit_bias=_logit_bias(body),
     )
-    if kwargs["top_p"] == 0.0:
-        raise bad_request("top_p: must be in (0, 1], got 0", param="top_p")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -265,9 +238,9 @@ def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(_is_int(t) for t in value):
+        if all(is_int(t) for t in value):
             return [list(value)]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in value):
             return [list(p) for p in value]
     raise bad_request(
         "prompt: must be a non-empty string, list of strings, list of token ids or list of token-id lists",
@@ -276,6 +249,13 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
+    try:
+        return _parse_completion(body)
+    except RequestError as exc:
+        raise error_from_validation(exc) from None
+
+
+def _parse_completion(body: Any) -> CompletionRequest:
     body = _require_object(body)
     _check_fields(body, _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "prompt_logprobs"})
     if "prompt" not in body:
@@ -283,22 +263,27 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     prompts = _prompts(body["prompt"])
     _refuse_unsupported(body, "suffix", why="is not supported (no insertion models)")
     echo = _bool(body, "echo", False)
-    kwargs, n, stream, include_usage = _common(body, default_max_tokens=16, min_max_tokens=0)
+    kwargs, n, stream, include_usage = _common(body, default_max_tokens=16)
     score_only = kwargs["max_tokens"] == 0
     if score_only and not echo:
         raise bad_request("max_tokens: 0 is only allowed with echo (scoring the prompt)", param="max_tokens")
     if score_only and stream:
         raise bad_request("max_tokens: 0 (scoring the prompt) cannot be streamed", param="max_tokens")
-    logprobs = kwargs["logprobs"] = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
-    # The engine scores prompt tokens for echo with logprobs and for vLLM's prompt_logprobs: the wider wins.
+    logprobs = kwargs["logprobs"] = _int(body, "logprobs", None)
+    prompt_logprobs = _int(body, "prompt_logprobs", None)
+    # The engine scores prompt tokens for echo with logprobs and for vLLM's prompt_logprobs: the wider
+    # wins (each is checked on its own first, so an error names the one the client got wrong).
+    check_logprobs("logprobs", logprobs)
+    check_logprobs("prompt_logprobs", prompt_logprobs)
     wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     kwargs["prompt_logprobs"] = max(wanted) if wanted else None
     if score_only:
         kwargs["max_tokens"] = 1
+    params = SamplingParams(**kwargs)
+    params.validate()
     return CompletionRequest(
         model=body.get("model"),
-        params=SamplingParams(**kwargs),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         max_tokens_given=body.get("max_tokens") is not None,
@@ -343,6 +328,19 @@ def _message(index: int, value: Any) -> ChatMessage:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     body = _require_object(body)
+    wire_names = {"max_tokens": _max_tokens_name(body), "logprobs": "top_logprobs"}
+    try:
+        return _parse_chat(body, wire_names)
+    except RequestError as exc:
+        raise error_from_validation(exc, wire_names) from None
+
+
+def _max_tokens_name(body: dict) -> str:
+    """max_completion_tokens is the new name of max_tokens; either may come."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def _parse_chat(body: dict, wire_names: dict[str, str]) -> ChatRequest:
     _check_fields(
         body,
         _SAMPLING_FIELDS
@@ -360,25 +358,26 @@ def parse_chat_request(body: Any) -> ChatRequest:
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad_request("response_format: only {'type': 'text'} is supported", param="response_format")
-    # max_completion_tokens is the new name of max_tokens; either may come.
-    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    limit = _int(body, limit_name, None, 1)
+    limit = _int(body, wire_names["max_tokens"], None)
     kwargs, n, stream, include_usage = _common({**body, "max_tokens": None}, default_max_tokens=None)
     kwargs["max_tokens"] = limit
     logprobs = _bool(body, "logprobs", False)
-    top_logprobs = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top_logprobs = _int(body, "top_logprobs", None)
     if top_logprobs is not None and not logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
     if logprobs:
         top_logprobs = top_logprobs or 0
         kwargs["logprobs"] = top_logprobs
+    params = SamplingParams(**kwargs)
+    params.validate()
     return ChatRequest(
         model=body.get("model"),
-        params=SamplingParams(**kwargs),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         max_tokens_given=limit is not None,
         n=n,
         messages=parsed,
         top_logprobs=top_logprobs,
+        wire_names=wire_names,
     )

@@ -99,12 +99,9 @@ async def create_completion(request: web.Request, state: ServerState, body: Any)
     req = parse_completion_request(body)
     state.check_model(req.model)
     with state.admit() as engine:
-        tokenizer = engine.tokenizer
-        # Tokenized exactly like the engine does for text prompts (an empty one stays empty: a 400).
-        prompts = [p if isinstance(p, list) else tokenizer.encode(p) if p else [] for p in req.prompts]
-        texts = None
-        if req.echo or req.prompt_logprobs is not None:
-            texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
         ids = ResponseIds("cmpl", state.model_name)
-        formatter = CompletionFormatter(ids, TokenText(tokenizer), req)
-        return await serve_generation(request, state, req, prompts, ids, formatter, "text_completion", texts)
+        formatter = CompletionFormatter(ids, TokenText(engine.tokenizer), req)
+        repeat_prompt = req.echo or req.prompt_logprobs is not None
+        return await serve_generation(
+            request, state, req, list(req.prompts), ids, formatter, "text_completion", repeat_prompt
+        )

@@ -1,4 +1,4 @@
-"""Running validated requests through the engine: prompt checks, merged output streams, usage.
+"""Running parsed requests through the engine: engine requests, merged output streams, usage.
 
 A request with several prompts becomes one engine request per prompt; their snapshots are merged into
 one stream. Leaving the stream early (client gone, handler cancelled) cancels every engine request,
@@ -14,57 +14,31 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagoda.server.engine.async_engine import EngineDeadError
-from pagoda.server.engine.sampling_params import SamplingParams
-from pagoda.server.protocol import APIError, bad_request, error_from_validation
+from pagoda.server.engine.validation import RequestError
+from pagoda.server.protocol import APIError, GenerationRequest, error_from_validation
 
 if TYPE_CHECKING:
     from pagoda.server.api.state import ServerState
     from pagoda.server.engine.outputs import CompletionOutput, RequestOutput
+    from pagoda.server.engine.sequence import Request
 
 log = logging.getLogger(__name__)
 
 
-def check_prompt(
-    state: ServerState, token_ids: Sequence[int], params: SamplingParams, max_tokens_given: bool
-) -> SamplingParams:
-    """Refuse prompts that cannot fit; fill in max_tokens when the client left it to the server."""
+def make_requests(
+    state: ServerState, req: GenerationRequest, prompts: Sequence[str | list[int]], response_id: str
+) -> list[Request]:
+    """One engine request per prompt, each encoded and checked by the engine (the rules the offline
+    API applies too) before any is started; a broken rule is a 400 naming the client's field."""
     engine = state.engine
     assert engine is not None
-    vocab = len(engine.tokenizer)
-    if not token_ids:
-        raise bad_request("prompt: must not be empty", param="prompt")
-    if any(t < 0 or t >= vocab for t in token_ids):
-        raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
-    limit = engine.max_model_len
-    prompt_len = len(token_ids)
-    if prompt_len >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{prompt_len} tokens, leaving no room for output.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    room = limit - prompt_len
-    if not max_tokens_given:
-        wanted = params.max_tokens
-        return dataclasses.replace(params, max_tokens=room if wanted is None else min(wanted, room))
-    assert params.max_tokens is not None
-    if prompt_len + params.max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
-            "for the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return params
-
-
-def validate_params(params: SamplingParams) -> None:
     try:
-        params.validate()
-    except ValueError as exc:
-        raise error_from_validation(exc) from None
+        return [
+            engine.make_request(f"{response_id}-{i}", prompt, req.params, max_tokens_must_fit=req.max_tokens_given)
+            for i, prompt in enumerate(prompts)
+        ]
+    except RequestError as exc:
+        raise error_from_validation(exc, req.wire_names) from None
 
 
 _DONE = object()
@@ -81,9 +55,9 @@ def engine_aborted() -> APIError:
 
 
 async def generate_all(
-    state: ServerState, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str
+    state: ServerState, requests: Sequence[Request]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (prompt index, snapshot) from one engine request per prompt, as snapshots arrive.
+    """Yield (prompt index, snapshot) from the engine requests (one per prompt), as snapshots arrive.
 
     Use inside `contextlib.aclosing` so the engine requests are cancelled as soon as the caller stops.
     """
@@ -92,11 +66,11 @@ async def generate_all(
     assert engine is not None and metrics is not None
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-    async def pump(index: int, prompt: list[int], prompt_params: SamplingParams) -> None:
-        engine_request_id = f"{request_id}-{index}"
+    async def pump(index: int, request: Request) -> None:
+        engine_request_id = request.request_id
         tracker = metrics.request_tracker()
         try:
-            async for output in engine.generate(prompt, prompt_params, engine_request_id):
+            async for output in engine.stream(request):
                 tracker.update(output)
                 if output.finished and any(c.finish_reason == "abort" for c in output.outputs):
                     # Not the client's doing (its leaving cancels this task): the engine dropped it.
@@ -107,9 +81,6 @@ async def generate_all(
             tracker.finish("abort")
             await engine.abort(engine_request_id)  # the generator aborts too; this makes it certain
             raise
-        except ValueError as exc:  # validation, before anything was scheduled
-            queue.put_nowait((index, error_from_validation(exc)))
-            return
         except EngineDeadError:
             tracker.finish("error")
             dead = APIError(
@@ -124,9 +95,7 @@ async def generate_all(
             return
         queue.put_nowait((index, _DONE))
 
-    tasks = [
-        asyncio.create_task(pump(i, p, sp)) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-    ]
+    tasks = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
     try:
         remaining = len(tasks)
         while remaining:

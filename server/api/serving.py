@@ -18,17 +18,17 @@ from pagoda.server.api.generation import (
     Cursor,
     Delta,
     PromptPart,
-    check_prompt,
     generate_all,
+    make_requests,
     prompt_part,
     usage,
-    validate_params,
 )
 from pagoda.server.protocol import APIError, GenerationRequest
 
 if TYPE_CHECKING:
     from pagoda.server.api.state import ServerState
     from pagoda.server.engine.outputs import CompletionOutput, RequestOutput
+    from pagoda.server.engine.sequence import Request
 
 
 class Formatter(Protocol):
@@ -53,22 +53,22 @@ async def serve_generation(
     request: web.Request,
     state: ServerState,
     req: GenerationRequest,
-    prompts: list[list[int]],
+    prompts: list[str | list[int]],
     ids: ResponseIds,
     formatter: Formatter,
     usage_object: str,
-    prompt_texts: list[str] | None = None,
+    repeat_prompt: bool = False,
 ) -> web.StreamResponse:
-    """`prompt_texts`: each choice's first delta carries its prompt (text, tokens, their logprobs)."""
-    params = [check_prompt(state, prompt, req.params, req.max_tokens_given) for prompt in prompts]
-    for prompt_params in params:
-        validate_params(prompt_params)
+    """`prompts`: text or token ids, encoded by the engine. `repeat_prompt`: each choice's first delta
+    carries its prompt (text, tokens, their logprobs)."""
+    requests = make_requests(state, req, prompts, ids.id)
+    prompt_texts = [prompt_text(state, r) for r in requests] if repeat_prompt else None
     n = req.n
 
     def part(index: int, output: RequestOutput) -> PromptPart | None:
         return prompt_part(prompt_texts[index], output) if prompt_texts is not None else None
 
-    events = generate_all(state, prompts, params, ids.id)
+    events = generate_all(state, requests)
     async with contextlib.aclosing(events):
         if not req.stream:
             finals: dict[int, RequestOutput] = {}
@@ -82,6 +82,14 @@ async def serve_generation(
                     choices.append((i * n + rank, delta.without_output() if req.score_only else delta))
             return web.json_response(formatter.response(choices, usage(ordered, req.score_only)))
         return await _stream(request, events, n, formatter, ids, usage_object if req.include_usage else None, part)
+
+
+def prompt_text(state: ServerState, request: Request) -> str:
+    """The prompt as text: as sent, or its token ids decoded (special tokens hidden, as in outputs)."""
+    if request.prompt is not None:
+        return request.prompt
+    assert state.engine is not None
+    return state.engine.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
 
 
 def best_choices(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:

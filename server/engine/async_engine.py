@@ -23,6 +23,7 @@ from pagoda.server.engine.llm_engine import LLMEngine
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.sequence import Request
+from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +124,28 @@ class AsyncLLMEngine:
             self._thread = None
 
     # ---- requests -----------------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None, **checks: bool
+    ) -> Request:
+        """Validate and tokenize on the caller's thread (`LLMEngine.make_request`; raises RequestError)."""
+        return self.engine.make_request(request_id, prompt, params, **checks)
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative snapshots as tokens arrive; the last one has finished=True."""
-        request = self.engine.make_request(request_id, prompt, params)  # ValueError before scheduling
+        """`stream` of a new request; a bad one raises RequestError at the first `__anext__`."""
+        async for output in self.stream(self.make_request(request_id, prompt, params)):
+            yield output
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Run a request made by `make_request`; its outputs as they come, the last with finished=True."""
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine loop is not running") from self._error
             if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already running")
+                raise RequestError("request_id", f"{request_id!r} is already running")
             self._streams[request_id] = stream
             self._inbox.append(request)
             self._wake.notify()

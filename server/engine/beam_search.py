@@ -3,14 +3,14 @@ search (length penalty, early-stop heuristic with early_stopping=False).
 
 Beams are sequences of one request. A beam chosen by several continuations is forked (the children
 share its blocks by ref count; their next writes copy the shared partial block); a beam chosen by
-none is pruned and frees its blocks at once.
+none is pruned: `step` returns it, and the engine has the scheduler release its blocks after the step.
 """
 
 from __future__ import annotations
 
 import torch
 from pagoda.server.engine.block_manager import BlockManager
-from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.sequence import Request, Sequence
 
 _DEAD = -1.0e9  # transformers' score for impossible continuations
 
@@ -26,7 +26,8 @@ class BeamSearch:
         logits: torch.Tensor,
         eos_ids: set[int],
         max_model_len: int,
-    ) -> None:
+    ) -> list[Sequence]:
+        """Advance the request's beams by one token; returns the pruned beams (finished, still holding blocks)."""
         params = request.params
         width = params.beam_width
         stop_ids = eos_ids | set(params.stop_token_ids or [])
@@ -59,21 +60,21 @@ class BeamSearch:
             best_possible = running[0][0] / ((cur_len + 1 - prompt_len) ** penalty)
             request.beam_improvable = best_possible > request.finished_beams[-1][0]
         done = not request.beam_improvable or not running
-        self._advance(request, beams, [] if done else running)
+        return self._advance(request, beams, [] if done else running)
 
     @staticmethod
     def _hypothesis(
         parent: Sequence, token: int, score: float, reason: str, stop_reason: int | None
     ) -> Sequence:
         """A finished copy of `parent` + `token` (holds no blocks)."""
-        final = parent.fork(parent.index)
+        final = parent.copy(parent.index)
         final.token_ids.append(token)
         final.cumulative_logprob = score
-        final.status = SequenceStatus.FINISHED
+        final.finished = True
         final.finish_reason, final.stop_reason = reason, stop_reason
         return final
 
-    def _advance(self, request: Request, beams: list[Sequence], running: list) -> None:
+    def _advance(self, request: Request, beams: list[Sequence], running: list) -> list[Sequence]:
         """Fork / prune the beams so they match the chosen continuations."""
         uses: dict[int, int] = {}
         for _, parent, _, _ in running:
@@ -83,24 +84,22 @@ class BeamSearch:
         for parent, count in uses.items():  # fork before any beam gets its new token
             kids = []
             for _ in range(count - 1):
-                child = beams[parent].fork(beams[parent].index)
-                self.block_manager.fork(beams[parent], child)
-                kids.append(child)
+                kids.append(self.block_manager.fork(beams[parent], beams[parent].index))
             children[parent] = [beams[parent], *kids]
         for score, parent, token, _ in running:
             beam = children[parent].pop()
             beam.token_ids.append(token)
             beam.cumulative_logprob = score
             new_beams.append(beam)
-        for index, beam in enumerate(beams):
-            if index not in uses:  # pruned
-                self.block_manager.free(beam)
-                beam.status = SequenceStatus.FINISHED
+        pruned = [beam for index, beam in enumerate(beams) if index not in uses]
+        for beam in pruned:
+            beam.finished = True
         for index, beam in enumerate(new_beams):
             beam.index = index
         request.seqs = new_beams
         if not new_beams:
             self._finalise(request)
+        return pruned
 
     @staticmethod
     def _finalise(request: Request) -> None:

@@ -7,6 +7,8 @@
 - Prefix caching: a FULL block is identified by a hash chained over its parent block's hash and its
   own token ids. Freed blocks that carry a hash stay in the cache (LRU order) and are only evicted
   when the pool needs a block; a new sequence reuses every leading cached block of its tokens.
+
+Every "how many blocks" question is answered here (`blocks_for_tokens` is the one rounding rule).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class Block:
         self.ref_count = 0
         self.block_hash: int | None = None  # set once the block is full and registered in the cache
         self.token_ids: tuple[int, ...] = ()  # of a registered block, to rule out hash collisions
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -181,14 +188,29 @@ class BlockManager:
             offset != 0 and index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1
         )
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def blocks_for_request(self, prompt_len: int, max_total: int, num_seqs: int) -> int:
+        """The most blocks a request can ever hold: the prompt's blocks once, then each of its
+        `num_seqs` sequences' own tail plus a copied partial block (one sequence: just its length)."""
+        if num_seqs == 1:
+            return self.blocks_for(max_total)
+        return self.blocks_for(prompt_len) + num_seqs * (self.blocks_for(max_total - prompt_len) + 1)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks needed to write the sequence's next `num_new_tokens` tokens."""
         end = seq.num_computed_tokens + num_new_tokens
-        grow = max(0, -(-end // self.block_size) - len(seq.block_table))
+        grow = max(0, self.blocks_for(end) - len(seq.block_table))
         return grow + int(self._needs_copy_on_write(seq))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) + reserve <= self.num_free_blocks
+    def blocks_to_admit(self, seq: Sequence, hits: list[int], end: int) -> int:
+        """Free blocks that admitting a sequence takes: its cached prefix `hits` (those now free come
+        out of the free pool) and fresh blocks up to token `end`."""
+        return self.blocks_for(end) - max(len(hits), len(seq.block_table)) + self.num_reviving(hits)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Give the sequence slots for its next `num_new_tokens` tokens; returns copy-on-write
@@ -215,8 +237,9 @@ class BlockManager:
             )  # fmt: skip
         return copies
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares all of the parent's blocks."""
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sequence (output `index`) with the parent's tokens, sharing all of its blocks."""
+        child = parent.copy(index)
         for block_id in parent.block_table:
             self._ref(block_id)
         child.block_table = list(parent.block_table)
@@ -227,6 +250,7 @@ class BlockManager:
             "fork", req=parent.request_id, seq_id=parent.seq_id, child_seq_id=child.seq_id,
             blocks=list(parent.block_table),
         )  # fmt: skip
+        return child
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Tail blocks first, so LRU eviction takes them first."""

@@ -62,10 +62,6 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
     nnodes: int = 1  # nodes those ranks span (a LeaderWorkerSet group); this process is node 0
 
-    @property
-    def num_gpu_blocks_override(self) -> int | None:
-        return self.num_blocks
-
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group = parser.add_argument_group("engine")
@@ -74,34 +70,33 @@ class EngineArgs:
             return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
         def add(flag: str, **kw):
-            default = kw.pop("default", None)
+            # every default is the field's own: the dataclass above is the one definition
+            default = DEFAULTS[flag.replace("-", "_")]
             group.add_argument(f"--{flag}", default=env(flag, default), **kw)
 
         add("model", help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
         add("tokenizer", help="tokenizer folder (default: the model's)")
         add(
             "dtype",
-            default="auto",
             choices=["auto", "float32", "bfloat16", "float16"],
             help="weights/KV dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, else float32)",
         )
-        add("device", default="auto", help="auto, cpu, cuda, cuda:N")
+        add("device", help="auto, cpu, cuda, cuda:N")
         add(
             "quantization",
-            default="auto",
             choices=["auto", "none", "gguf"],
             help="gguf: a GGUF model's own Q4_0/Q4_1 (and Q8_0 LM head) weights for few-row steps "
             "(torch's weight-only int4/int8 CPU kernels); "
             "none: dequantize; auto: gguf on CPU, none on CUDA",
         )
-        add("block-size", type=int, default=16, help="tokens per KV block")
-        add("max-num-seqs", type=int, default=256, help="max sequences in the running batch")
+        add("block-size", type=int, help="tokens per KV block")
+        add("max-num-seqs", type=int, help="max sequences in the running batch")
         add("max-num-batched-tokens", type=int, help="max tokens per engine step")
         add("max-model-len", type=int, help="max prompt + output tokens (default: the model's)")
         add("kv-cache-memory", type=parse_bytes, help="KV pool size on CPU, e.g. 2GiB")
-        add("gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
+        add("gpu-memory-utilization", type=float, help="share of GPU memory to use")
         add("num-blocks", type=int, help="force the number of KV blocks (overrides memory sizing)")
-        add("seed", type=int, default=0, help="seed for requests without their own seed")
+        add("seed", type=int, help="seed for requests without their own seed")
         add(
             "tensor-parallel-size",
             type=int,
@@ -117,14 +112,14 @@ class EngineArgs:
         group.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
-            default=env_bool(env("enable-prefix-caching", None), True),
+            default=env_bool(env("enable-prefix-caching", None), DEFAULTS["enable_prefix_caching"]),
             help="reuse cached KV blocks of shared prompt prefixes (--no-prefix-caching turns it off)",
         )
         group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         group.add_argument(
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
-            default=env_bool(env("enable-chunked-prefill", None), True),
+            default=env_bool(env("enable-chunked-prefill", None), DEFAULTS["enable_chunked_prefill"]),
             help="prefill long prompts in chunks within the per-step token budget",
         )
         return parser
@@ -134,6 +129,9 @@ class EngineArgs:
         # argparse already converted env-var string defaults through each flag's `type`.
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**values)
+
+
+DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
 
 
 def env_bool(value: str | None, default: bool) -> bool:

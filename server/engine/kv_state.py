@@ -73,7 +73,7 @@ def kv_snapshot(engine: LLMEngine, usage_target: float) -> dict[str, Any]:
     used_slots = used * size
     held_slots = sum(f for f, s in zip(filled, state, strict=True) if s == "used")
     mean_len = sum(lengths) / len(lengths) if lengths else None
-    blocks_per_seq = -(-int(mean_len) // size) if mean_len else None
+    blocks_per_seq = bm.blocks_for(int(mean_len)) if mean_len else None
     log = engine.kv_events
     events = log.recent(RECENT_EVENTS)
     return {

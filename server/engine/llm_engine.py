@@ -11,9 +11,10 @@ import os
 import time
 
 import torch
-from pagoda.server.engine import prompt_logprobs
+from pagoda.server.engine import prompt_logprobs, validation
 from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.capacity import capacity_report
 from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
@@ -22,13 +23,13 @@ from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.parallel.group import SINGLE
-from pagoda.server.engine.plan_cli import capacity_report
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
 from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
-from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.sequence import Request, Sequence
 from pagoda.server.engine.step_histograms import StepHistograms
+from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.eos_token_ids = set(loaded.eos_token_ids)
-        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.vocab_size = loaded.model.vocab_size  # the embedding rows: what a token id may be below
         self.max_model_len = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.dtype = loaded.dtype
         if args.max_num_batched_tokens is not None:
@@ -136,6 +137,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(args.seed)
         self.beam_search = BeamSearch(self.block_manager)
+        self._stopped: list[Sequence] = []  # finished or pruned during a step, released after it
         self.requests: dict[str, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -153,36 +155,35 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The one prompt encoder: (text or None, token ids). Text goes through the tokenizer with its
+        special tokens (BOS where the model wants one); token ids are taken as given."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt) if prompt else []
+        return None, list(prompt)
+
     def make_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        max_tokens_must_fit: bool = False,
     ) -> Request:
-        """Validate and tokenize (no engine state and no torch op: safe from any thread).
-        Raises ValueError("<param>: <what is wrong>")."""
+        """Validate and tokenize (no engine state and no torch op: safe from any thread); raises
+        `RequestError`. `max_tokens_must_fit`: refuse a max_tokens that overruns the context (the
+        server's rule for a value the client gave) instead of cutting the output there."""
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            prompt_text, prompt_ids = None, list(prompt)
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room for output within max_model_len "
-                f"{self.max_model_len}"
-            )
-        if any(t >= self.vocab_size for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
+        prompt_text, prompt_ids = self.encode(prompt)
+        validation.check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
+        if max_tokens_must_fit:
+            validation.check_max_tokens_fit(params.max_tokens, len(prompt_ids), self.max_model_len)
+        validation.check_logit_bias_vocab(params.logit_bias, self.vocab_size)
         if params.num_seqs > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n: {params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
+            raise RequestError(
+                "n", f"{params.num_seqs} sequences exceed max_num_seqs {self.scheduler.max_num_seqs}"
             )
         max_total = len(prompt_ids) + (params.max_tokens or self.max_model_len)
         max_total = min(max_total, self.max_model_len)
@@ -190,23 +191,19 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop_strings, params.include_stop_str_in_output
         )
-        seq = Sequence(0, list(prompt_ids), len(prompt_ids), detok)
+        seq = Sequence(0, prompt_ids, len(prompt_ids), detok)
         return Request(
             request_id, prompt_text, list(prompt_ids), params, arrival_time or time.monotonic(), seq
         )
 
     def _check_fits(self, prompt_len: int, max_total: int, params: SamplingParams) -> None:
         """A request that can never fit in the pool, even alone, is refused up front."""
-        size, pool = self.block_manager.block_size, self.block_manager.num_blocks
-        width = params.num_seqs
-        tail = max_total - prompt_len
-        if width == 1:
-            needed = -(-max_total // size)
-        else:  # the prompt's blocks once, then each sequence's own tail plus a copied partial block
-            needed = -(-prompt_len // size) + width * (-(-tail // size) + 1)
+        pool, width, tail = self.block_manager.num_blocks, params.num_seqs, max_total - prompt_len
+        needed = self.block_manager.blocks_for_request(prompt_len, max_total, width)
         if needed > pool:
-            raise ValueError(
-                f"prompt: this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
+            raise RequestError(
+                "prompt",
+                f"this request needs up to {needed} KV blocks ({prompt_len} prompt tokens, "
                 f"{tail} output tokens, {width} sequence(s)) but the pool has {pool}; lower max_tokens "
                 "or give the KV cache more memory"
             )
@@ -222,7 +219,7 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> Request:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+            raise RequestError("request_id", f"{request.request_id!r} is already running")
         if request.params.seed is not None:  # a torch object: made here, on the engine's thread
             request.seqs[0].generator = torch.Generator().manual_seed(request.params.seed)
         self.requests[request.request_id] = request
@@ -239,7 +236,7 @@ class LLMEngine:
     def _finish_aborted(self, request: Request) -> RequestOutput:
         """Mark a request whose blocks are already freed as aborted and forget it."""
         for seq in request.live_seqs():
-            seq.status = SequenceStatus.FINISHED
+            seq.finished = True
             seq.finish_reason = "abort"
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.monotonic()
@@ -278,6 +275,8 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(item.seq)
         touched = self._process(logits, sampled)
+        self.scheduler.release(self._stopped)  # sequences that finished or were pruned this step
+        self._stopped.clear()
         outputs = dropped
         now = time.monotonic()
         for request in touched:
@@ -343,8 +342,7 @@ class LLMEngine:
         """n > 1: after the prompt, the first sequence forks into n that share its blocks."""
         leader = request.seqs[0]
         for index in range(1, request.params.n):
-            child = leader.fork(index)
-            self.block_manager.fork(leader, child)
+            child = self.block_manager.fork(leader, index)
             if request.params.seed is not None:
                 child.generator = torch.Generator().manual_seed(
                     hash((request.params.seed, index)) & (2**62 - 1)
@@ -382,9 +380,9 @@ class LLMEngine:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.status = SequenceStatus.FINISHED
+        seq.finished = True
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.block_manager.free(seq)  # finished sequences leave at once
+        self._stopped.append(seq)  # its blocks go back at the end of this step
 
     def _beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
         now = time.monotonic()
@@ -393,7 +391,7 @@ class LLMEngine:
             self.prompt_tokens += request.seqs[0].prompt_len
         request.metrics.last_token_time = now
         self.generation_tokens += len(beams)
-        self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
+        self._stopped += self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
         request.forked = True
 
     # ---- introspection ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pagoda.server.engine.attention_metadata import AttentionMetadata
+from pagoda.server.engine.block_manager import blocks_for_tokens
 from pagoda.server.engine.prompt_logprobs import prompt_score_rows, score_prompt_tokens
 from pagoda.server.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -119,7 +120,7 @@ class ModelRunner:
         """utilization × total, minus weights and the peak of a profiling forward of a full step."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = -(-num_tokens // self.spec.block_size)
+        blocks = blocks_for_tokens(num_tokens, self.spec.block_size)
         self.kv_caches = allocate_kv_caches(self.spec, blocks, self.device)
         temp_bytes = blocks * self.spec.bytes_per_block
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)

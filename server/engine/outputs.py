@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.step_histograms import StepHistograms
 
 
@@ -57,7 +58,7 @@ class EngineStats:
     num_blocks_total: int = 0
     num_blocks_used: int = 0
     num_shared_blocks: int = 0  # ref_count > 1
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     capacity_tokens: int = 0
     max_model_len: int = 0
     dtype: str = ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.device_peaks import DevicePeaks
 from pagoda.server.engine.layers.quantized import FEW_ROWS
 from torch import nn
@@ -126,7 +127,7 @@ def step_cost(
     shape: list[tuple[int, int]],
     num_sampled: int,
     num_copied_blocks: int = 0,
-    block_size: int = 16,
+    block_size: int = EngineArgs.block_size,
 ) -> StepCost:
     """`shape`: (tokens already in the cache, tokens run this step) per scheduled sequence."""
     tokens = sum(n for _, n in shape)

@@ -8,6 +8,9 @@ a recomputation after preemption, or the one token sampled last step). Each step
 2. if nothing was preempted, waiting requests are admitted in arrival order (first-come first-served)
    while seats, token budget and blocks last, reusing cached prefix blocks.
 The step's sequences are packed prefills first, then decodes (one token each).
+
+Blocks go back to the pool in one place, `release`: when a request finishes or is aborted, when it is
+preempted, and (called by the engine after each step) when single sequences finish or beams are pruned.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.prompt_logprobs import PromptScores, cacheable_prompt_tokens
-from pagoda.server.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.server.engine.sequence import Request, Sequence
 
 
 @dataclass
@@ -79,16 +82,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def num_running_seqs(self) -> int:
         return sum(r.num_seats for r in self.running)
 
+    def release(self, seqs: list[Sequence]) -> None:
+        """Give the sequences' blocks back to the pool (the only caller of `BlockManager.free`)."""
+        for seq in seqs:
+            self.block_manager.free(seq)
+
     def finish_request(self, request: Request) -> None:
         """Free the blocks of every sequence and drop the request from the queues."""
-        for seq in request.seqs:
-            self.block_manager.free(seq)
+        self.release(request.seqs)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -106,9 +110,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.events.record("preempt", req=request.request_id)
-        for seq in request.live_seqs():
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.WAITING
+        self.release(request.live_seqs())
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -117,50 +119,50 @@ class Scheduler:
         out = SchedulerOutput()
         chosen: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
-
         index = 0
         while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            preempted_self = False
-            for seq in request.live_seqs():
-                num_new = self._chunk(seq, budget)
-                if num_new == 0:
-                    continue
-                while not bm.can_allocate(seq, num_new):
-                    victim = self.running[-1]
-                    if victim is request and len(self.running) == 1:
-                        # Alone and still out of blocks: waiting cannot help. The up-front size check
-                        # should make this unreachable; drop the request rather than stop the engine.
-                        self.finish_request(request)
-                        out.unservable.append(request)
-                        preempted_self = True
-                        break
-                    self._preempt(victim)
-                    out.num_preempted += 1
-                    if victim is request:
-                        preempted_self = True
-                        break
-                if preempted_self:
-                    break
-                out.block_copies += bm.allocate_slots(seq, num_new)
-                chosen.append(ScheduledSeq(seq, request, num_new))
-                budget -= num_new
-            if preempted_self:
-                # Its blocks are gone: drop what was scheduled for it this step.
-                dropped = [s for s in chosen if s.request is request]
-                budget += sum(s.num_new_tokens for s in dropped)
-                chosen = [s for s in chosen if s.request is not request]
+            items = self._schedule_running(self.running[index], budget, out)
+            if items is None:  # the request gave up its own blocks: nothing of it runs, nor after it
                 break
+            chosen += items
+            budget -= sum(item.num_new_tokens for item in items)
             index += 1
-
         if not out.num_preempted and not out.unservable:
             self._admit(chosen, budget, out)
-
         for item in chosen:
             (out.decodes if item.num_new_tokens == 1 else out.prefills).append(item)
         # Copies into blocks of a request preempted later in this step are harmless: nothing reads them.
         return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> list[ScheduledSeq] | None:
+        """The running request's next tokens within `budget`; None when making room cost it its own blocks."""
+        items: list[ScheduledSeq] = []
+        for seq in request.live_seqs():
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                continue
+            if not self._make_room(request, seq, num_new, out):
+                return None
+            out.block_copies += self.block_manager.allocate_slots(seq, num_new)
+            items.append(ScheduledSeq(seq, request, num_new))
+            budget -= num_new
+        return items
+
+    def _make_room(self, request: Request, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `seq` fits; False when `request` itself had to go."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still out of blocks: waiting cannot help. The up-front size check
+                # should make this unreachable; drop the request rather than stop the engine.
+                self.finish_request(request)
+                out.unservable.append(request)
+                return False
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is request:
+                return False
+        return True
 
     def _admit(self, chosen: list[ScheduledSeq], budget: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -180,10 +182,7 @@ class Scheduler:
                 num_new = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)
                 if num_new == 0:
                     break
-                end = start + num_new
-                needed = (
-                    -(-end // bm.block_size) - max(len(hits), len(seq.block_table)) + bm.num_reviving(hits)
-                )
+                needed = bm.blocks_to_admit(seq, hits, start + num_new)
                 # The watermark guards running sequences; with none running, use the whole pool.
                 watermark = self.watermark_blocks if self.running or chosen else 0
                 if needed + watermark > bm.num_free_blocks:
@@ -196,7 +195,6 @@ class Scheduler:
                     self.prefix_cache_queries += seq.prompt_len
                     self.prefix_cache_hits += request.num_cached_tokens
                 out.block_copies += bm.allocate_slots(seq, num_new)
-                seq.status = SequenceStatus.RUNNING
                 chosen.append(ScheduledSeq(seq, request, num_new))
                 budget -= num_new
                 admitted = True
@@ -205,5 +203,3 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             seats += request.num_seats
-            for seq in request.live_seqs():
-                seq.status = SequenceStatus.RUNNING

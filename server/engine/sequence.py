@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
 
 import torch
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
 from pagoda.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.server.engine.sampling_params import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
 
 _seq_ids = itertools.count()
 
@@ -33,7 +25,7 @@ class Sequence:
         self.index = index  # position in the request's outputs
         self.token_ids = token_ids
         self.prompt_len = prompt_len
-        self.status = SequenceStatus.WAITING
+        self.finished = False  # set once: a finished sequence holds no blocks after its step
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks (content-determined)
@@ -61,15 +53,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    def fork(self, index: int) -> Sequence:
-        """A copy with the same tokens (blocks are shared separately by the block manager)."""
-        child = Sequence(index, list(self.token_ids), self.prompt_len, self.detokenizer.copy())
+    def copy(self, index: int) -> Sequence:
+        """The same tokens and scores, holding no blocks (`BlockManager.fork` shares the blocks too)."""
+        detokenizer = self.detokenizer.copy() if self.detokenizer is not None else None
+        child = Sequence(index, list(self.token_ids), self.prompt_len, detokenizer)
         child.request_id = self.request_id
-        child.status = self.status
+        child.finished = self.finished
         child.output_logprobs = list(self.output_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
         return child
@@ -100,7 +89,6 @@ class Request:
         self.finished_beams: list[tuple[float, Sequence]] = []  # beam search: (score, hypothesis), best first
         self.beam_improvable = True  # beam search: can running beams still beat the finished ones?
         self.pending_beam_logits: dict[int, torch.Tensor] = {}  # beam search: beam index -> its logits
-        self.aborted = False
         # prompt_logprobs: per prompt position {its token: logprob, + top-k} (None for the first) and
         # its token's rank; filled chunk by chunk (engine/prompt_logprobs.py).
         wants_prompt = params.prompt_logprobs is not None

@@ -43,8 +43,8 @@ def test_fork_shares_blocks_and_write_into_shared_partial_block_copies_it():
     parent = bare_seq(range(6))
     bm.allocate_slots(parent, 6)
     parent.num_computed_tokens = 6
-    child = bare_seq(range(6))
-    bm.fork(parent, child)
+    child = bm.fork(parent, index=1)
+    assert child.index == 1 and child.block_table == parent.block_table and child.token_ids == parent.token_ids
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     assert bm.num_shared_blocks == 2 and bm.num_used_blocks == 2
     copies = bm.allocate_slots(child, 1)  # writes position 6, inside the shared partial block 1
@@ -145,3 +145,13 @@ def test_copy_on_write_is_observed_and_both_branches_are_right(llama):
         for step, (token, entry) in enumerate(zip(output.token_ids, output.logprobs, strict=True)):
             assert entry[token] == pytest.approx(reference[step, token].item(), abs=1e-4)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_block_arithmetic_lives_in_the_block_manager():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert [bm.blocks_for(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    # one sequence: its whole length; n sequences: the prompt once, each tail plus a copied partial block
+    assert bm.blocks_for_request(prompt_len=6, max_total=10, num_seqs=1) == 3
+    assert bm.blocks_for_request(prompt_len=6, max_total=10, num_seqs=3) == 2 + 3 * (1 + 1)
+    seq = bare_seq(range(10))
+    assert bm.blocks_to_admit(seq, [], end=10) == 3

@@ -50,8 +50,8 @@ def test_a_life_in_blocks():
     bm.allocate_slots(a, 6)
     a.num_computed_tokens = 6
     bm.register_full_blocks(a)
-    child = seq_of(range(6), "a")
-    bm.fork(a, child)
+    child = bm.fork(a, index=1)
+    assert (child.token_ids, child.request_id) == (a.token_ids, "a") and child.token_ids is not a.token_ids
     bm.allocate_slots(child, 1)  # into the shared partial block: copy-on-write
     bm.free(child)
     bm.free(a)

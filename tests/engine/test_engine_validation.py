@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pagoda.server.engine.async_engine import AsyncLLMEngine
 from pagoda.server.engine.config import EngineArgs
-from pagoda.server.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagoda.server.engine.sampling_params import SamplingParams
+from pagoda.server.engine.validation import MAX_LOGPROBS
 
 BAD = [
     ("", SamplingParams(), "prompt: must not be empty"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pagoda.server.engine.validation import RequestError
 from pagoda.server.protocol import (
     APIError,
     error_from_validation,
@@ -63,8 +64,23 @@ def test_completion_errors_name_the_parameter(body, param):
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_validation_message_becomes_param():
-    error = error_from_validation(
-        ValueError("top_k: must be -1 (off), 0 (off) or a positive integer, got -5")
-    )
-    assert error.param == "top_k" and error.status == 400
+def test_engine_rule_error_becomes_param_and_code():
+    error = error_from_validation(RequestError("top_k", "must be -1 (off), 0 (off) or a positive integer"))
+    assert error.param == "top_k" and error.status == 400 and error.message.startswith("top_k: ")
+    long = error_from_validation(RequestError("prompt", "too long", "context_length_exceeded"))
+    assert long.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"temperature": 2.5}, "temperature"),
+    ],
+)
+def test_chat_errors_name_the_field_the_client_sent(body, param):
+    with pytest.raises(APIError) as info:
+        parse_chat_request({"messages": [{"role": "user", "content": "b"}], **body})
+    assert info.value.param == param and info.value.message.startswith(f"{param}: ")

@@ -196,6 +196,11 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def vocab_size(self) -> int:
+        """The embedding rows: every token id the model can index is below this."""
+        return int(self.model.embed_tokens.weight.shape[0])
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
