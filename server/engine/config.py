@@ -100,10 +100,9 @@ class EngineArgs:
         add(
             "tensor-parallel-size",
             type=int,
-            default=1,
             help="split the model over this many ranks (GPUs, or CPU processes), one process each",
         )
-        add("nnodes", type=int, default=1, help="nodes the tensor-parallel ranks span (default 1)")
+        add("nnodes", type=int, help="nodes the tensor-parallel ranks span (default 1)")
         add(
             "cpu-threads",
             type=int,
