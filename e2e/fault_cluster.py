@@ -235,7 +235,17 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
 async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
     runner = cluster.runner
     lo = cluster.now() - 5
-    killed = runner.kill(0)
+    # Mid-stream: the pod to kill is one that is streaming tokens to a user right now.
+    def streaming() -> RequestRecord | None:
+        return next((r for r in load.records if r.ttft is not None and not r.end
+                     and r.backend in runner.ready_backends()), None)
+
+    async def a_stream() -> RequestRecord:
+        while (record := streaming()) is None:
+            await asyncio.sleep(0.02)
+        return record
+
+    killed = runner.kill((await asyncio.wait_for(a_stream(), 30)).backend or "")
     killed_url, t_kill = killed.url, cluster.now()
     cluster.log(f"SIGKILL {killed.name} ({killed_url})")
     t_degraded = await cluster.wait_until("Degraded", lambda: cluster.condition("Degraded").get("status") == "True",

@@ -253,9 +253,9 @@ class PodRunner:
                         headers=MERGE)
         await self._patch_pod_status(workload, replica)
 
-    def kill(self, index: int = 0, sig: int = signal.SIGKILL) -> Replica:
-        """Send `sig` to one serving process (the fault a lost node or an OOM kill is to a pod)."""
-        replica = [r for w in self.workloads.values() for r in w.replicas][index]
+    def kill(self, url: str, sig: int = signal.SIGKILL) -> Replica:
+        """Send `sig` to the serving process at `url` (the fault a lost node or an OOM kill is to a pod)."""
+        replica = next(r for w in self.workloads.values() for r in w.replicas if r.url == url)
         replica.process.send_signal(sig)
         return replica
 
