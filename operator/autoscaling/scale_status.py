@@ -81,13 +81,21 @@ def with_removals(new: dict[str, Any], old: Mapping[str, Any] | None) -> dict[st
     return {**{k: None for k in (old or {}) if k not in new}, **new}
 
 
+def pod_metrics_patch(new: dict[str, dict[str, Any]], old: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per pod too: a pod that answered after an error must lose its `error` (and the reverse)."""
+    old = old or {}
+    return {name: with_removals(entry, old.get(name) if isinstance(old.get(name), Mapping) else None)
+            for name, entry in new.items()}
+
+
 def autoscaling_status(decision: Decision, samples: Mapping[str, PodSample | str], not_ready: list[str],
                        previous: Mapping[str, Any] | None, scaled_at: float | None) -> dict[str, Any]:
     previous = previous or {}
     status: dict[str, Any] = {
         "desiredReplicas": decision.desired_replicas,
         "reason": decision.reason,
-        "metrics": with_removals(pod_metrics(samples, not_ready), previous.get("metrics")),
+        "metrics": with_removals(pod_metrics_patch(pod_metrics(samples, not_ready), previous.get("metrics")),
+                                 previous.get("metrics")),
         "proposals": with_removals(proposals(decision), previous.get("proposals")),
         "history": history_to_status(decision.history),
     }

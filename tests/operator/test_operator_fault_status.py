@@ -85,3 +85,26 @@ def test_a_restarted_server_degrades_until_ready_again():
     assert problem is not None and problem.failing and problem.reason == "ServerRestarted"
     assert "code 137" in problem.message and "1 restarts" in problem.message
     assert status.pod_problem(restarted(ready=True)) is None  # serving again: nothing to report
+
+
+def test_a_pod_that_answers_again_loses_its_error_in_status():
+    """status.autoscaling.metrics is merge-patched: keys of the previous round must be removed."""
+    from pagoda.operator.autoscaling.scale_status import pod_metrics_patch
+
+    previous = {"p": {"ready": True, "error": "no recent series in prometheus"}, "gone": {"ready": False}}
+    patch = pod_metrics_patch({"p": {"ready": True, "kvCacheUsage": 0.5}}, previous)
+    assert patch == {"p": {"error": None, "ready": True, "kvCacheUsage": 0.5}}
+
+
+def test_only_a_whole_source_failure_holds_replicas():
+    """Prometheus down (every pod's query failed) is a source failure; one pod without series is not."""
+    from pagoda.operator.autoscaling.config import Collection
+    from pagoda.operator.autoscaling.handlers import source_failure
+
+    prometheus = Collection(interval_s=15, scrape_timeout_s=2, prometheus_url="http://prometheus:9090")
+    down = {"a": "prometheus: ClientConnectorError: refused", "b": "prometheus: ClientConnectorError: refused"}
+    assert source_failure(prometheus, down) == down["a"]
+    assert source_failure(prometheus, {**down, "b": "no recent series in prometheus"}) is None
+    assert source_failure(prometheus, {}) is None  # no ready pod: nothing was asked
+    direct = Collection(interval_s=15, scrape_timeout_s=2, prometheus_url=None)
+    assert source_failure(direct, {"a": "scrape: timeout"}) is None  # direct scrapes fail per pod
