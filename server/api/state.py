@@ -51,7 +51,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining and self.engine.loop_alive
+        return self.engine is not None and not self.draining and self.engine.alive
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine else None
