@@ -96,11 +96,13 @@ def report_source(failure: str | None, memo: MutableMapping[str, Any], body: Any
 
 def known_history(memo: MutableMapping[str, Any], status: Mapping[str, Any], current: int,
                   now: float) -> tuple[Recommendation, ...]:
-    """Recent recommendations: from memory; after a restart from status; else assume the current count
-    was just recommended (a fresh operator never scales down before one window has passed)."""
+    """Recent recommendations: from memory; after a (re)start, those mirrored in status plus the current
+    count as if just recommended. An operator saw nothing while it was down: like a missing metric (the
+    HPA's rule), that gap never argues for fewer pods, so a restarted or fresh operator scales down only
+    after one full window of its own readings, and never below what the mirrored window still holds."""
     if HISTORY_MEMO_KEY in memo:
         return memo[HISTORY_MEMO_KEY]
-    return scale_status.history_from_status(status.get("autoscaling")) or (Recommendation(now, current),)
+    return (*scale_status.history_from_status(status.get("autoscaling")), Recommendation(now, current))
 
 
 async def autoscale_once(namespace: str, name: str, spec: Mapping[str, Any], status: Mapping[str, Any],
