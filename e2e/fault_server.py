@@ -119,39 +119,49 @@ def first_at(points: list[tuple[float, float]], after: float) -> float | None:
     return next((t for t, v in points if t >= after and v), None)
 
 
-async def engine_death(model_dir: Path, out: Path, running: int = 4, queued: int = 8) -> dict[str, Any]:
-    trigger = out / "kill-the-engine-loop"
-    trigger.unlink(missing_ok=True)
-    server = ServeProcess(model_dir, out, ["--max-num-seqs", str(running), "--num-blocks", "256"],
-                          {FAULT_ENV: str(trigger)})
+@contextlib.asynccontextmanager
+async def watched(server: ServeProcess) -> Any:
+    """Wait for `server` to be ready, then poll its probes and metrics until the block ends; stop it after.
+    Yields (session, clock, series): the clock counts seconds since the process started."""
     t0 = time.monotonic()
 
     def clock() -> float:
         return round(time.monotonic() - t0, 3)
 
     series = new_series()
+    stop = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         try:
             await server.wait_ready(session)
-            load = Load(server.url, MODEL, clock, prompt_words=10, max_tokens=400, timeout_s=60)
-            stop = asyncio.Event()
             watcher = asyncio.create_task(watch(session, server, clock, stop, series))
-            burst = asyncio.create_task(load.burst(running + queued))
-            await wait_for(lambda: sum(r.ttft is not None for r in load.records) >= running
-                           or any(r.error for r in load.records), 120, "the running requests streaming")
-            assert not any(r.error for r in load.records), load.records  # a request failed before the fault
-            await asyncio.sleep(0.5)
-            t_fault = clock()
-            trigger.write_text("fault")
-            records = await asyncio.wait_for(burst, 60)
-            code = await server.wait_exit(30)
-            t_exit = clock()
-            await asyncio.sleep(0.3)
-            stop.set()
-            await watcher
-            await load.close()
+            try:
+                yield session, clock, series
+            finally:
+                stop.set()
+                await watcher
         finally:
             server.stop()
+
+
+async def engine_death(model_dir: Path, out: Path, running: int = 4, queued: int = 8) -> dict[str, Any]:
+    trigger = out / "kill-the-engine-loop"
+    trigger.unlink(missing_ok=True)
+    server = ServeProcess(model_dir, out, ["--max-num-seqs", str(running), "--num-blocks", "256"],
+                          {FAULT_ENV: str(trigger)})
+    async with watched(server) as (_session, clock, series):
+        load = Load(server.url, MODEL, clock, prompt_words=10, max_tokens=400, timeout_s=60)
+        burst = asyncio.create_task(load.burst(running + queued))
+        await wait_for(lambda: sum(r.ttft is not None for r in load.records) >= running
+                       or any(r.error for r in load.records), 120, "the running requests streaming")
+        assert not any(r.error for r in load.records), load.records  # a request failed before the fault
+        await asyncio.sleep(0.5)
+        t_fault = clock()
+        trigger.write_text("fault")
+        records = await asyncio.wait_for(burst, 60)
+        code = await server.wait_exit(30)
+        t_exit = clock()
+        await asyncio.sleep(0.3)  # the probes after the exit
+        await load.close()
     failed_after = [round(r.end - t_fault, 3) for r in records if not r.ok]
     health_503 = first_at(series["/health 503"], t_fault)
     result = {
@@ -177,39 +187,25 @@ async def engine_death(model_dir: Path, out: Path, running: int = 4, queued: int
 async def drain(model_dir: Path, out: Path, in_flight: int = 50) -> dict[str, Any]:
     server = ServeProcess(model_dir, out, ["--max-num-seqs", str(in_flight), "--num-blocks", "1024",
                                            "--drain-timeout", "60"], {})
-    t0 = time.monotonic()
+    async with watched(server) as (session, clock, series):
+        load = Load(server.url, MODEL, clock, prompt_words=20, max_tokens=96, timeout_s=90)
+        late = Load(server.url, MODEL, clock, prompt_words=5, max_tokens=4, timeout_s=10)
+        burst = asyncio.create_task(load.burst(in_flight))
+        async def all_in() -> bool:
+            return await server.in_flight(session) >= in_flight
 
-    def clock() -> float:
-        return round(time.monotonic() - t0, 3)
-
-    series = new_series()
-    async with aiohttp.ClientSession() as session:
-        try:
-            await server.wait_ready(session)
-            load = Load(server.url, MODEL, clock, prompt_words=20, max_tokens=96, timeout_s=90)
-            late = Load(server.url, MODEL, clock, prompt_words=5, max_tokens=4, timeout_s=10)
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(watch(session, server, clock, stop, series))
-            burst = asyncio.create_task(load.burst(in_flight))
-            async def all_in() -> bool:
-                return await server.in_flight(session) >= in_flight
-
-            await wait_for(all_in, 120, f"{in_flight} in flight")
-            t_term = clock()
-            server.process.send_signal(signal.SIGTERM)
-            refused = []
-            while not burst.done():  # newcomers while draining
-                refused.append(await late.one(0))
-                await asyncio.sleep(0.2)
-            records = burst.result()
-            code = await server.wait_exit(60)
-            t_exit = clock()
-            stop.set()
-            await watcher
-            await load.close()
-            await late.close()
-        finally:
-            server.stop()
+        await wait_for(all_in, 120, f"{in_flight} in flight")
+        t_term = clock()
+        server.process.send_signal(signal.SIGTERM)
+        refused = []
+        while not burst.done():  # newcomers while draining
+            refused.append(await late.one(0))
+            await asyncio.sleep(0.2)
+        records = burst.result()
+        code = await server.wait_exit(60)
+        t_exit = clock()
+        await load.close()
+        await late.close()
     ready_503 = next((t for t, v in series["/ready 200"] if t >= t_term and not v), None)
     last_end = max(r.end for r in records)
     result = {
