@@ -7,7 +7,6 @@ A step = schedule → copy-on-write block copies → model forward → sample �
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -16,38 +15,22 @@ from pagoda.server.engine.beam_search import BeamSearch
 from pagoda.server.engine.block_manager import BlockManager
 from pagoda.server.engine.capacity import capacity_report
 from pagoda.server.engine.config import EngineArgs
-from pagoda.server.engine.cpu import usable_cores
 from pagoda.server.engine.detokenizer import IncrementalDetokenizer
 from pagoda.server.engine.device_peaks import device_peaks
 from pagoda.server.engine.kv_events import KVEventLog
 from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
 from pagoda.server.engine.parallel.group import SINGLE
+from pagoda.server.engine.placement import resolve_device, set_cpu_threads
 from pagoda.server.engine.roofline import ModelCosts, RooflineMeter, shape_of
 from pagoda.server.engine.sampler import Sampler
 from pagoda.server.engine.sampling_params import SamplingParams
-from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler
+from pagoda.server.engine.scheduler import ScheduledSeq, Scheduler, step_token_budget
 from pagoda.server.engine.sequence import Request, Sequence
 from pagoda.server.engine.step_histograms import StepHistograms
 from pagoda.server.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNKED_BATCH_TOKENS = 2048
-
-
-def set_cpu_threads(threads: int | None) -> None:
-    """torch's intra-op threads: as asked, else OMP_NUM_THREADS if set, else the usable cores."""
-    if threads is None and "OMP_NUM_THREADS" in os.environ:
-        return
-    torch.set_num_threads(threads or usable_cores())
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
 
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs, loaded=None) -> None:
@@ -93,19 +76,7 @@ class LLMEngine:
         self.vocab_size = loaded.model.vocab_size  # the embedding rows: what a token id may be below
         self.max_model_len = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.dtype = loaded.dtype
-        if args.max_num_batched_tokens is not None:
-            batch_tokens = args.max_num_batched_tokens
-        elif args.enable_chunked_prefill:
-            batch_tokens = DEFAULT_CHUNKED_BATCH_TOKENS
-        else:
-            batch_tokens = max(DEFAULT_CHUNKED_BATCH_TOKENS, self.max_model_len)
-        if not args.enable_chunked_prefill and batch_tokens < self.max_model_len:
-            # Without chunks a preempted sequence is recomputed in one step: it must always fit.
-            raise ValueError(
-                f"max_num_batched_tokens: {batch_tokens} is below max_model_len {self.max_model_len}; "
-                "without chunked prefill a sequence must fit in one step (enable chunked prefill, "
-                "raise the limit or lower max_model_len)"
-            )
+        batch_tokens = step_token_budget(args, self.max_model_len)
         self.max_num_batched_tokens = batch_tokens
         model = loaded.model
         self.tp_size = tp_group.tp.size if tp_group else 1

@@ -19,9 +19,29 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagoda.server.engine.block_manager import BlockManager
+from pagoda.server.engine.config import EngineArgs
 from pagoda.server.engine.prompt_logprobs import PromptScores, cacheable_prompt_tokens
 from pagoda.server.engine.sequence import Request, Sequence
 
+DEFAULT_CHUNKED_BATCH_TOKENS = 2048  # the step budget with chunked prefill (vLLM's default too)
+
+
+def step_token_budget(args: EngineArgs, max_model_len: int) -> int:
+    """Tokens one step may run: as asked, else a default that, without chunked prefill, also covers
+    the longest sequence (a preempted one is recomputed in one step: it must always fit)."""
+    if args.max_num_batched_tokens is not None:
+        budget = args.max_num_batched_tokens
+    elif args.enable_chunked_prefill:
+        budget = DEFAULT_CHUNKED_BATCH_TOKENS
+    else:
+        budget = max(DEFAULT_CHUNKED_BATCH_TOKENS, max_model_len)
+    if not args.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} is below max_model_len {max_model_len}; "
+            "without chunked prefill a sequence must fit in one step (enable chunked prefill, "
+            "raise the limit or lower max_model_len)"
+        )
+    return budget
 
 @dataclass
 class ScheduledSeq:

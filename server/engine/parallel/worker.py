@@ -22,7 +22,7 @@ logger = logging.getLogger("pagoda.tp-worker")
 
 def rank_device(device: str, local_rank: int) -> torch.device:
     """Each rank on its own GPU (cuda:LOCAL_RANK); CPU ranks share the CPU."""
-    from pagoda.server.engine.llm_engine import resolve_device
+    from pagoda.server.engine.placement import resolve_device
 
     resolved = resolve_device(device)
     if resolved.type == "cuda" and resolved.index is None:
@@ -42,11 +42,11 @@ def _exit_with_parent() -> None:
 
 
 def run_worker(args, rank: int, world_size: int, local_rank: int) -> None:
-    from pagoda.server.engine.llm_engine import set_cpu_threads
     from pagoda.server.engine.loader import load_model
     from pagoda.server.engine.model_runner import KVCacheSpec, ModelRunner
     from pagoda.server.engine.parallel import group
     from pagoda.server.engine.parallel.executor import rank_num_blocks
+    from pagoda.server.engine.placement import set_cpu_threads
     from pagoda.server.engine.prompt_logprobs import prompt_logit_slices
 
     device = rank_device(args.device, local_rank)
