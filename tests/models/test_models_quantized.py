@@ -77,7 +77,7 @@ def test_quantization_choice():
 def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
     """bf16 serving: decode steps of one sequence run on the 4-bit blocks and int8 head. Against the
     same model on its dense (dequantized) weights: most greedy tokens agree, logits stay close.
-    Measured on 100 prompts: docs/benchmarks.md (benchmarks/quantization_accuracy.py)."""
+    Measured on 100 prompts: docs/benchmarks.md (benchmarks/accuracy.py)."""
     from pagoda import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "The three primary colours are"]
