@@ -321,12 +321,7 @@ class LLMEngine:
         self, request: Request, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None
     ) -> None:
         params = request.params
-        now = time.monotonic()
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-            self.prompt_tokens += request.seqs[0].prompt_len
-        request.metrics.last_token_time = now
-        self.generation_tokens += 1
+        self._count_generated(request, 1)
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if params.logprobs is not None:
@@ -346,18 +341,22 @@ class LLMEngine:
             seq.detokenizer.flush()
             self._finish(seq, "length", None)
 
+    def _count_generated(self, request: Request, num_tokens: int) -> None:
+        """Token counters and timestamps: the prompt counts once, with the request's first token."""
+        now = time.monotonic()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self.prompt_tokens += request.seqs[0].prompt_len
+        request.metrics.last_token_time = now
+        self.generation_tokens += num_tokens
+
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         seq.finished = True
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._stopped.append(seq)  # its blocks go back at the end of this step
 
     def _beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
-        now = time.monotonic()
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-            self.prompt_tokens += request.seqs[0].prompt_len
-        request.metrics.last_token_time = now
-        self.generation_tokens += len(beams)
+        self._count_generated(request, len(beams))
         self._stopped += self.beam_search.step(request, beams, logits, self.eos_token_ids, self.max_model_len)
         request.forked = True
 
