@@ -239,9 +239,7 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(built.set_exception, exc)
             return
         self._loaded = None  # the engine holds the model now
-        add_failure_listener = getattr(engine.runner, "add_failure_listener", None)
-        if add_failure_listener is not None:
-            add_failure_listener(self._fail)
+        engine.runner.add_failure_listener(self._fail)  # a tensor-parallel rank that dies fails the loop
         with self._lock:
             self._refresh_stats()
         loop.call_soon_threadsafe(built.set_result, None)

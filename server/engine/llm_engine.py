@@ -211,9 +211,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (a one-rank engine holds nothing to stop)."""
-        close = getattr(self.runner, "shutdown", None)
-        if close is not None:
-            close()
+        self.runner.shutdown()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

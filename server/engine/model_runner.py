@@ -227,6 +227,12 @@ class ModelRunner:
         """The step as this rank runs it (the tensor-parallel executor sends it to the others first)."""
         return step
 
+    def add_failure_listener(self, listener) -> None:
+        """One rank: no other process can fail under it (the tensor-parallel executor watches its ranks)."""
+
+    def shutdown(self) -> None:
+        """One rank: no other process to stop."""
+
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Block copies, the forward, the sampled rows' logits: (hidden states, logits)."""
