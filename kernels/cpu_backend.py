@@ -1,4 +1,5 @@
-"""The CPU attention backend: one fused attention call per layer and length group, in the model dtype.
+"""The CPU attention backend: decode through the native kernel (`cpu_native.c`) where it builds, else one
+fused attention call per layer and length group, in the model dtype.
 
 The reference (`reference.py`) spells attention out op by op in fp32, per KV head; it stays the oracle.
 This backend does the same in far fewer torch calls, which is what a CPU step pays for at serving
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagoda.kernels import cpu_native
 from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 
 
@@ -45,9 +47,17 @@ def _decode_group(rows, block_tables, context_lens, block_size, num_blocks, slid
 
 
 class CpuBackend(TorchReferenceBackend):
-    """store_kv is the reference's (one index_copy per cache); decode and prefill are fused."""
+    """store_kv and decode are native where the kernels build (else the reference's index_copy and
+    a fused attention call); prefill is fused."""
 
     name = "cpu"
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native  # False: torch's ops only (tests check both paths)
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        if not (self.native and cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping)):
+            super().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _decode_plan(self, block_tables, context_lens, k_cache, sliding_window, step_cache) -> list[_DecodeGroup]:
         """Worked out once per step (kept in the step's `step_cache`) and reused by every layer with the
@@ -83,6 +93,12 @@ class CpuBackend(TorchReferenceBackend):
     def paged_decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None, step_cache=None
     ):
+        if self.native:  # reads K/V in place from the blocks: no gather, no mask
+            out = cpu_native.paged_decode_attention(
+                query, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
+            )
+            if out is not None:
+                return out
         plan = self._decode_plan(block_tables, context_lens, k_cache, sliding_window, step_cache)
         num_kv_heads, head_dim = k_cache.shape[2:]
         gqa = query.shape[1] != num_kv_heads

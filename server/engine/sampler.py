@@ -1,9 +1,10 @@
 """Turns one step's logits into tokens: penalties, greedy / temperature / top-k / top-p / min-p
 sampling with per-request generators, and log-probabilities.
 
-Sampling uses the exponential race (argmax of p / Exp(1) noise), so every row draws exactly one
-noise vector per step: a seeded request draws it from its own generator and gets the same tokens
-whatever else is in the batch.
+Sampling inverts each row's cumulative distribution at one uniform number, so every row draws
+exactly one number per step: a seeded request draws it from its own generator and gets the same
+tokens whatever else is in the batch. (A vocabulary-wide noise draw per row, as in the exponential
+race, cost ~1.5 ms a row on CPU: a third of a 16-row decode step.)
 
 Penalties, greedy choice and log-probabilities run where the logits are (the GPU on CUDA); only the
 rows that sample go to the CPU, where the per-request CPU generators give the same tokens on any
@@ -93,9 +94,12 @@ class Sampler:
             )
         for i in bias_rows:
             apply_logit_bias(logits[i], params[i].logit_bias)
-        chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
+        if len(random_rows) == len(params):  # every row samples: no greedy choice, no row copies
+            chosen = self._sample(logits.cpu(), params, generators).to(logits.device)
+        else:
+            chosen = logits.argmax(dim=-1)
+        if random_rows and len(random_rows) < len(params):
             sampled = self._sample(
                 logits[random_rows].cpu(),
                 [params[i] for i in random_rows],
@@ -134,11 +138,21 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
+        uniform = torch.empty(len(params), dtype=torch.float64)  # 53 random bits a draw
         shared = [row for row, g in enumerate(generators) if g is None]
         if shared:  # one draw for every unseeded row
-            noise[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.default_generator)
+            uniform[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.default_generator)
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator)
+        return sample_from_cdf(probs, uniform)
+
+
+def sample_from_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniform[i] × the row's total.
+    A token of probability 0 adds nothing to the running sum, so it is never the first to exceed it."""
+    cdf = probs.cumsum(dim=-1)  # fp32: ~1e-5 of mass misplaced at worst over a 150k vocabulary
+    total = cdf[:, -1:]
+    # Strictly below the total (a draw near 1 rounds up to it in fp32): the last nonzero token exceeds it.
+    targets = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1)

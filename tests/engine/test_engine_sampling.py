@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from pagoda.server.engine.sampler import Sampler, apply_penalties
+from pagoda.server.engine.sampler import Sampler, apply_penalties, sample_from_cdf
 from pagoda.server.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(30, 50))
@@ -83,7 +83,7 @@ def test_top_k_1_tiny_top_p_and_min_p_1_equal_greedy(llama):
 
 
 def test_sampler_distribution_and_filters():
-    """Exponential-race sampling follows softmax(logits / T); top-k / top-p keep only their tokens."""
+    """Sampling follows softmax(logits / T); top-k / top-p keep only their tokens."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(4000, 1)
     sampler = Sampler(seed=0)
     plain = [SamplingParams(temperature=0.7)] * 4000
@@ -95,6 +95,12 @@ def test_sampler_distribution_and_filters():
     # probs ~ [0.61, 0.22, 0.14, ...]: top_p 0.7 keeps tokens 0 and 1 (mass before token 2 is 0.83)
     top_p = sampler(logits, [SamplingParams(top_p=0.7)] * 4000, [None] * 4000)
     assert set(top_p.token_ids) == {0, 1}
+
+
+def test_sample_from_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
+    uniform = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0 - 1e-12], dtype=torch.float64)
+    assert sample_from_cdf(probs, uniform).tolist() == [1, 1, 3, 3, 3]
 
 
 def test_penalties():

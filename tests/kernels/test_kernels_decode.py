@@ -13,16 +13,18 @@ from pagoda.kernels.triton_backend import TritonBackend
 from pagoda.kernels.triton_decode import num_decode_partitions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Triton with small tiles so short test contexts still span many tiles and partitions; the fused CPU
-# backend. Each is checked against the op-by-op reference.
+# Triton with small tiles so short test contexts still span many tiles and partitions; the CPU backend
+# with its native kernel (fp32/bf16; fp16 falls back) and with torch's fused attention only. Each is
+# checked against the op-by-op reference.
 BACKENDS = {
     "single": TritonBackend(decode_block_n=16, decode_partitions=1),
     "split": TritonBackend(decode_block_n=16, decode_partitions=3),
     "cpu": CpuBackend(),
+    "cpu-torch": CpuBackend(native=False),
 }
 # What unowned cache slots hold: NaN for Triton; finite garbage for the CPU backend, whose contract is a
 # finite pool (the engine's is zeroed at allocation).
-POISON = {"cpu": 1e4}
+POISON = {"cpu": 1e4}  # both CPU modes share the backend's name
 
 
 def _check_decode(
@@ -144,7 +146,7 @@ def test_cpu_decode_plan_is_worked_out_once_per_step_and_shared(reference, gener
     query = random_queries(3, 4, 32, torch.float32, generator=generator)
     args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 32**-0.5)
     step_cache: dict = {}
-    backend = CpuBackend()
+    backend = CpuBackend(native=False)  # the native kernel needs no plan
     first = backend.paged_decode_attention(*args, step_cache=step_cache)
     (plan,) = step_cache.values()
     second = backend.paged_decode_attention(*args, step_cache=step_cache)

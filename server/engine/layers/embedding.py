@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pagoda.server.engine.layers.quantized import Int8Weight, few_rows
+from pagoda.server.engine.layers.linear import project
+from pagoda.server.engine.layers.quantized import Int8Weight
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from torch import nn
 
@@ -57,9 +58,7 @@ class LMHead(nn.Module):
         self.low_bit = low_bit
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.low_bit is not None and few_rows(hidden, self.hidden_size):
-            return self.low_bit.matmul(hidden, None).float()
-        logits = F.linear(hidden, self.weight)
+        logits = project(hidden, self.weight, None, self.low_bit)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
         return logits.float()

@@ -1,4 +1,5 @@
-"""Projections: one matmul each (dense, or 4-bit for few-row steps); q/k/v and gate/up fused into one.
+"""Projections: one matmul each (dense, 4-bit for few-row steps, or the native CPU kernels); q/k/v and
+gate/up fused into one.
 
 Under tensor parallelism q/k/v and gate/up are column-parallel: a `MergedLinear` built with each
 rank's share of the output rows (nothing to communicate); o and down are `RowParallelLinear`.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagoda.kernels import cpu_native
 from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight, few_rows
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from torch import nn
@@ -33,9 +35,21 @@ class Linear(nn.Module):
         self.low_bit = low_bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.low_bit is not None and few_rows(x, self.in_features):
-            return self.low_bit.matmul(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.low_bit)
+
+
+def project(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    low_bit: Int4Weight | Int8Weight | None,
+) -> torch.Tensor:
+    """x Wᵀ + b by the fastest kernel for the step's rows: the low-bit copy for few rows, else the
+    native CPU kernels where they take the device, shape and dtype, else torch's GEMM."""
+    if low_bit is not None and few_rows(x, weight.shape[1]):
+        return low_bit.matmul(x, bias)
+    y = cpu_native.linear(x, weight, bias)  # None: not a CPU step of few rows it takes
+    return F.linear(x, weight, bias) if y is None else y
 
 
 class MergedLinear(Linear):

@@ -21,5 +21,4 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj.stacked(x)))

@@ -1,8 +1,11 @@
-"""RMSNorm, computed in fp32 and cast back exactly as transformers does (weight * normed.to(dtype))."""
+"""RMSNorm, computed in fp32 and cast back exactly as transformers does (weight * normed.to(dtype)),
+optionally fused with the residual add before it (the native CPU kernel where it runs, torch's ops
+elsewhere)."""
 
 from __future__ import annotations
 
 import torch
+from pagoda.kernels import cpu_native
 from torch import nn
 
 
@@ -12,7 +15,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum the next layer adds to."""
+        native = cpu_native.rms_norm(x, self.weight, self.eps, residual)
+        if native is not None:
+            return native[0] if residual is None else native
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

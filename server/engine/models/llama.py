@@ -145,11 +145,19 @@ class LlamaDecoderLayer(nn.Module):
         self,
         rope: Rope,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
         kv_cache: KVCache,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attn_metadata, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each residual add is fused into
+        the norm after it, the last one into the model's final norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, attn_metadata, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,9 +177,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, attn_metadata, kv_cache)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

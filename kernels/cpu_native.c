@@ -1,0 +1,430 @@
+/* Native CPU kernels: paged decode attention and few-row linear layers.
+ *
+ * Compiled on the machine that runs them (-march=native, see cpu_native.py) and called through ctypes
+ * with raw pointers. OpenMP here is the libgomp torch already loaded (same soname), so these loops
+ * and torch's share one thread team instead of fighting for the cores.
+ *
+ * Why they exist: at decode batch sizes a CPU step pays for fixed costs, not arithmetic. torch's
+ * fused attention spends ~0.3 ms a layer on 16 short sequences (plus a gather of their blocks), and
+ * oneDNN's bf16 GEMM reads weights at half the DRAM bandwidth when a step has a few rows. Here:
+ * attention reads K/V straight from the blocks (no gather, no mask), and the linear kernel streams
+ * each weight row once through AVX-512 registers for every row of the step.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16 /* query heads per KV head */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void load_f32(const void *base, int64_t offset, int dtype, float *out, int n) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) out[i] = bf16_to_f32(p[i]);
+    } else {
+        memcpy(out, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_f32(void *base, int64_t offset, int dtype, const float *in, int n) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *p = (uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) p[i] = f32_to_bf16(in[i]);
+    } else {
+        memcpy((float *)base + offset, in, (size_t)n * sizeof(float));
+    }
+}
+
+int pagoda_max_head_dim(void) { return MAX_HEAD_DIM; }
+int pagoda_max_group(void) { return MAX_GROUP; }
+
+/* One query token per sequence against its cached context, online softmax in fp32.
+ * q: [num_seqs, num_heads, head_dim] with the given strides (elements); caches:
+ * [num_blocks, block_size, num_kv_heads, head_dim] contiguous; out: [num_seqs, num_heads, head_dim]
+ * contiguous. A sequence sees its last `sliding_window` tokens (0: all of them). */
+int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q_head_stride,
+                                  const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                                  int64_t block_table_stride, const int32_t *context_lens, void *out,
+                                  int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                  int block_size, int num_blocks, float scale, int sliding_window, int dtype,
+                                  int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
+    for (int seq = 0; seq < num_seqs; seq++) /* every block a sequence reads must exist */
+        for (int b = 0; b * block_size < context_lens[seq]; b++) {
+            const int32_t block = block_tables[seq * block_table_stride + b];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int task = 0; task < num_seqs * num_kv_heads; task++) {
+        const int seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+        float row_max[MAX_GROUP], row_sum[MAX_GROUP], kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];
+        for (int g = 0; g < group; g++) {
+            const int head = kv_head * group + g;
+            load_f32(q, seq * q_seq_stride + head * q_head_stride, dtype, qf[g], head_dim);
+            for (int i = 0; i < head_dim; i++) {
+                qf[g][i] *= scale;
+                acc[g][i] = 0.0f;
+            }
+            row_max[g] = -FLT_MAX;
+            row_sum[g] = 0.0f;
+        }
+        const int length = context_lens[seq];
+        const int start = sliding_window > 0 && length > sliding_window ? length - sliding_window : 0;
+        const int32_t *table = block_tables + seq * block_table_stride;
+        for (int t = start; t < length; t++) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            const int64_t offset = slot * token_stride + (int64_t)kv_head * head_dim;
+            load_f32(k_cache, offset, dtype, kf, head_dim);
+            load_f32(v_cache, offset, dtype, vf, head_dim);
+            for (int g = 0; g < group; g++) {
+                float score = 0.0f;
+#pragma omp simd reduction(+ : score)
+                for (int i = 0; i < head_dim; i++) score += qf[g][i] * kf[i];
+                if (score > row_max[g]) { /* rescale what was summed under the old maximum */
+                    const float correction = expf(row_max[g] - score);
+                    row_sum[g] *= correction;
+#pragma omp simd
+                    for (int i = 0; i < head_dim; i++) acc[g][i] *= correction;
+                    row_max[g] = score;
+                }
+                const float p = expf(score - row_max[g]);
+                row_sum[g] += p;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) acc[g][i] += p * vf[i];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
+            for (int i = 0; i < head_dim; i++) acc[g][i] *= inv;
+            store_f32(out, ((int64_t)seq * num_heads + kv_head * group + g) * head_dim, dtype, acc[g], head_dim);
+        }
+    }
+    return 0;
+}
+
+/* ---- Fused per-token ops: one call where torch runs 3-8 small ops, each paying a dispatch -------
+ * Rounding follows the model dtype where transformers rounds (the residual sum, the normalized
+ * value before the weight), so bf16 results stay those of the op-by-op path. */
+
+static inline float round_to(float v, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* With residual: summed = x + residual, out = weight * rmsnorm(summed). Without: out = weight * rmsnorm(x).
+ * All [rows, hidden] contiguous; weight [hidden]. */
+int pagoda_rms_norm(const void *x, const void *residual, void *summed, const void *weight, void *out, int rows,
+                    int hidden, float eps, int dtype, int num_threads) {
+    if (hidden > 65536) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        float *row = malloc((size_t)hidden * 2 * sizeof(float));
+        float *w = row + hidden;
+        const int64_t offset = (int64_t)r * hidden;
+        load_f32(x, offset, dtype, row, hidden);
+        if (residual) {
+            float *res = w; /* borrowed until the weight is loaded */
+            load_f32(residual, offset, dtype, res, hidden);
+            for (int i = 0; i < hidden; i++) row[i] = round_to(row[i] + res[i], dtype);
+            store_f32(summed, offset, dtype, row, hidden);
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int i = 0; i < hidden; i++) squares += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(squares / hidden + eps);
+        load_f32(weight, 0, dtype, w, hidden);
+        for (int i = 0; i < hidden; i++) row[i] = w[i] * round_to(row[i] * inv, dtype);
+        store_f32(out, offset, dtype, row, hidden);
+        free(row);
+    }
+    return 0;
+}
+
+/* In place: x [tokens, heads, head_dim] (token stride given, heads contiguous) rotated by the halves
+ * convention, x * cos + rotate_half(x) * sin; cos, sin [tokens, head_dim] contiguous. */
+int pagoda_rotary(void *x, int64_t token_stride, int tokens, int heads, int head_dim, const void *cos,
+                  const void *sin, int dtype, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || head_dim % 2) return -1;
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens > 4)
+    for (int t = 0; t < tokens; t++) {
+        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], v[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+        load_f32(cos, (int64_t)t * head_dim, dtype, c, head_dim);
+        load_f32(sin, (int64_t)t * head_dim, dtype, s, head_dim);
+        for (int h = 0; h < heads; h++) {
+            const int64_t offset = t * token_stride + (int64_t)h * head_dim;
+            load_f32(x, offset, dtype, v, head_dim);
+            for (int i = 0; i < half; i++) {
+                o[i] = round_to(round_to(v[i] * c[i], dtype) - round_to(v[i + half] * s[i], dtype), dtype);
+                o[i + half] =
+                    round_to(round_to(v[i + half] * c[i + half], dtype) + round_to(v[i] * s[i + half], dtype), dtype);
+            }
+            store_f32(x, offset, dtype, o, head_dim);
+        }
+    }
+    return 0;
+}
+
+/* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] contiguous (gate first). */
+int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        float *buf = malloc((size_t)inter * 2 * sizeof(float));
+        load_f32(gate_up, (int64_t)r * 2 * inter, dtype, buf, 2 * inter);
+        for (int i = 0; i < inter; i++) {
+            const float g = buf[i];
+            buf[i] = round_to(round_to(g / (1.0f + expf(-g)), dtype) * buf[inter + i], dtype);
+        }
+        store_f32(out, (int64_t)r * inter, dtype, buf, inter);
+        free(buf);
+    }
+    return 0;
+}
+
+/* k_cache/v_cache [num_blocks * block_size, kv_heads * head_dim] rows at `slots` (-1: skipped) take
+ * key/value rows [tokens, kv_heads * head_dim] (token stride given, the rest contiguous). */
+int pagoda_store_kv(const void *key, const void *value, int64_t token_stride, void *k_cache, void *v_cache,
+                    const int64_t *slots, int tokens, int row_elems, int64_t num_slots, int dtype) {
+    const size_t size = dtype == DTYPE_BF16 ? 2 : 4, bytes = (size_t)row_elems * size;
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy((char *)k_cache + slots[t] * bytes, (const char *)key + t * token_stride * size, bytes);
+        memcpy((char *)v_cache + slots[t] * bytes, (const char *)value + t * token_stride * size, bytes);
+    }
+    return 0;
+}
+
+/* ---- y[M, N] = x[M, K] W[N, K]^T (+ bias), for steps with few rows ---------------------------
+ * Tiles of up to 4 rows x 4 outputs: each weight row is read from DRAM once per step (the first
+ * row tile; the others find it in L1) and every row of the step reuses it from registers. */
+#define TILE 4
+
+/* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within. */
+#define DEFINE_LINEAR(name, T, tile_fn)                                                                  \
+    int name(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int num_threads) {       \
+        const int tiles = (N + TILE - 1) / TILE;                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                           \
+        for (int tile = 0; tile < tiles; tile++) {                                                      \
+            const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
+            const T *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;                               \
+            for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
+                const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
+                const T *xm = x + (int64_t)m0 * K;                                                      \
+                T *ym = y + (int64_t)m0 * N + n0;                                                       \
+                switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
+                    TILE_CASES(tile_fn)                                                                 \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        return 0;                                                                                       \
+    }
+#define TILE_CASE(tile_fn, mb, nb) \
+    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb); break;
+#define TILE_CASES(f)                                                                     \
+    TILE_CASE(f, 1, 1) TILE_CASE(f, 1, 2) TILE_CASE(f, 1, 3) TILE_CASE(f, 1, 4)           \
+    TILE_CASE(f, 2, 1) TILE_CASE(f, 2, 2) TILE_CASE(f, 2, 3) TILE_CASE(f, 2, 4)           \
+    TILE_CASE(f, 3, 1) TILE_CASE(f, 3, 2) TILE_CASE(f, 3, 3) TILE_CASE(f, 3, 4)           \
+    TILE_CASE(f, 4, 1) TILE_CASE(f, 4, 2) TILE_CASE(f, 4, 3) TILE_CASE(f, 4, 4)
+
+#if defined(__AVX512BF16__)
+int pagoda_has_bf16_linear(void) { return 1; }
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
+                                                            const uint16_t *bias, uint16_t *y, int K,
+                                                            int ldy, const int MB, const int NB) {
+    __m512 acc[TILE][TILE];
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_loadu_si512(w + (int64_t)n * K + k);
+        for (int m = 0; m < MB; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+        }
+    }
+    if (k < K) {
+        const __mmask32 mask = _cvtu32_mask32((uint32_t)((1ull << (K - k)) - 1));
+        __m512bh wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (int64_t)n * K + k);
+        for (int m = 0; m < MB; m++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) {
+            float v = _mm512_reduce_add_ps(acc[m][n]);
+            if (bias) v += bf16_to_f32(bias[n]);
+            y[(int64_t)m * ldy + n] = f32_to_bf16(v);
+        }
+}
+
+DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, tile_bf16)
+#else
+int pagoda_has_bf16_linear(void) { return 0; }
+int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N,
+                       int K, int num_threads) {
+    return -1;
+}
+#endif
+
+
+/* ---- AMX: y[M <= 16, N] = x W^T in bf16 for CPUs with tile registers -------------------------
+ * The weight is read in its own row-major layout as the A operand (16 weight rows x 32 inputs a
+ * tile), the step's rows are packed once per call as the B operand (pairs of inputs, VNNI order),
+ * so C holds 16 outputs x M rows. One tile instruction does 16 x 16 x 32 multiply-adds: the weight
+ * stream, not arithmetic, sets the pace, at any M up to 16. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int pagoda_amx_init(void) { /* Linux hands tile state to a process only on request */
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+#define AMX_OUT_TILES 4 /* C tiles in flight: 64 weight rows a pass */
+
+int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
+                           int N, int K, int num_threads) {
+    if (M < 1 || M > 16 || K % 32 || N < 16) return -1;
+    const int pairs = K / 2, full = N / 16 * 16;
+    uint32_t *packed = malloc((size_t)pairs * M * sizeof *packed); /* B: [K/2][M] input pairs */
+    if (!packed) return -1;
+    const uint32_t *x32 = (const uint32_t *)x;
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < pairs; p++) packed[p * M + m] = x32[(int64_t)m * pairs + p];
+    const int groups = (full / 16 + AMX_OUT_TILES - 1) / AMX_OUT_TILES;
+#pragma omp parallel num_threads(num_threads)
+    {
+        struct tile_config cfg = {0};
+        cfg.palette_id = 1;
+        for (int t = 0; t < AMX_OUT_TILES; t++) cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(4 * M);
+        cfg.rows[4] = 16, cfg.colsb[4] = (uint16_t)(4 * M); /* B */
+        cfg.rows[5] = 16, cfg.colsb[5] = 64;               /* A */
+        _tile_loadconfig(&cfg);
+        float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int group = 0; group < groups; group++) {
+            const int n0 = group * AMX_OUT_TILES * 16;
+            const int tiles = (full - n0) / 16 < AMX_OUT_TILES ? (full - n0) / 16 : AMX_OUT_TILES;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int k = 0; k < K; k += 32) {
+                _tile_loadd(4, packed + (k / 2) * M, 4 * M);
+                const uint16_t *a = w + (int64_t)n0 * K + k;
+                _tile_loadd(5, a, 2 * K); _tile_dpbf16ps(0, 5, 4);
+                if (tiles > 1) { _tile_loadd(5, a + 16 * (int64_t)K, 2 * K); _tile_dpbf16ps(1, 5, 4); }
+                if (tiles > 2) { _tile_loadd(5, a + 32 * (int64_t)K, 2 * K); _tile_dpbf16ps(2, 5, 4); }
+                if (tiles > 3) { _tile_loadd(5, a + 48 * (int64_t)K, 2 * K); _tile_dpbf16ps(3, 5, 4); }
+            }
+            for (int t = 0; t < tiles; t++) {
+                switch (t) { /* tile numbers are immediates */
+                    case 0: _tile_stored(0, out, 4 * M); break;
+                    case 1: _tile_stored(1, out, 4 * M); break;
+                    case 2: _tile_stored(2, out, 4 * M); break;
+                    default: _tile_stored(3, out, 4 * M); break;
+                }
+                const int nt = n0 + 16 * t;
+                for (int m = 0; m < M; m++)
+                    for (int i = 0; i < 16; i++)
+                        y[(int64_t)m * N + nt + i] =
+                            f32_to_bf16(out[i * M + m] + (bias ? bf16_to_f32(bias[nt + i]) : 0.0f));
+            }
+        }
+        _tile_release();
+    }
+    if (full < N) { /* the last N % 16 outputs */
+        for (int m0 = 0; m0 < M; m0 += TILE)
+            for (int n0 = full; n0 < N; n0++) {
+                const int MB = M - m0 < TILE ? M - m0 : TILE;
+                const uint16_t *xm = x + (int64_t)m0 * K, *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;
+                uint16_t *ym = y + (int64_t)m0 * N + n0;
+                switch (MB * 8 + 1) { TILE_CASE(tile_bf16, 1, 1) TILE_CASE(tile_bf16, 2, 1) TILE_CASE(tile_bf16, 3, 1) TILE_CASE(tile_bf16, 4, 1) }
+            }
+    }
+    free(packed);
+    return 0;
+}
+#else
+int pagoda_amx_init(void) { return -1; }
+int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
+                           int N, int K, int num_threads) {
+    return -1;
+}
+#endif
+
+#if defined(__AVX512F__)
+int pagoda_has_f32_linear(void) { return 1; }
+
+static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
+                                                           float *y, int K, int ldy, const int MB, const int NB) {
+    __m512 acc[TILE][TILE];
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = _mm512_loadu_ps(w + (int64_t)n * K + k);
+        for (int m = 0; m < MB; m++) {
+            const __m512 xv = _mm512_loadu_ps(x + (int64_t)m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = _mm512_maskz_loadu_ps(mask, w + (int64_t)n * K + k);
+        for (int m = 0; m < MB; m++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) {
+            float v = _mm512_reduce_add_ps(acc[m][n]);
+            y[(int64_t)m * ldy + n] = bias ? v + bias[n] : v;
+        }
+}
+
+DEFINE_LINEAR(pagoda_linear_f32, float, tile_f32)
+#else
+int pagoda_has_f32_linear(void) { return 0; }
+int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                      int num_threads) {
+    return -1;
+}
+#endif

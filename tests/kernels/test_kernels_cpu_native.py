@@ -1,0 +1,138 @@
+"""The native CPU kernels (`kernels/cpu_native.c`) against torch on the same inputs.
+
+They are built with this machine's C compiler on first use; the engine falls back to torch's ops
+where none exists, so these tests need one (CI machines have gcc).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagoda.kernels import cpu_native
+from pagoda.kernels.reference import TorchReferenceBackend
+from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_the_kernels_build_and_share_torchs_openmp_runtime():
+    assert cpu_native.library() is not None
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp  # a second runtime would start a second thread team on the same cores
+
+
+def test_disabled_by_environment(tmp_path):
+    code = "from pagoda.kernels import cpu_native; print(cpu_native.library() is None)"
+    env = {**os.environ, "PAGODA_NATIVE_KERNELS": "0", "PAGODA_KERNEL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "block_size", "window"), [(1, 16, None), (3, 8, None), (8, 32, 40), (4, 16, 5)])
+def test_decode_attention_matches_reference(dtype, group, block_size, window, generator):
+    lens = [1, 16, 17, 90, 300]
+    cache = make_paged_kv(lens, 2, 64, block_size, dtype, poison=1e4, generator=generator)
+    # q as the model hands it: a strided view of the projection output
+    packed = random_queries(len(lens), 2 * group + 4, 64, dtype, generator=generator)
+    query = packed[:, : 2 * group]
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125, window)
+    out = cpu_native.paged_decode_attention(*args)
+    expected = TorchReferenceBackend().paged_decode_attention(*args)
+    assert out.dtype == dtype and relative_error(out, expected) <= tolerance(dtype)
+
+
+def test_decode_attention_refuses_a_block_outside_the_cache(generator):
+    cache = make_paged_kv([20], 1, 64, 16, torch.float32, generator=generator)
+    tables = cache.block_tables.clone()
+    tables[0, 1] = cache.k_cache.shape[0]
+    query = random_queries(1, 1, 64, torch.float32, generator=generator)
+    with pytest.raises(IndexError):
+        cpu_native.paged_decode_attention(query, cache.k_cache, cache.v_cache, tables, cache.context_lens, 1.0, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50)])
+def test_linear_matches_torch(dtype, rows, out_features, in_features, generator):
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    y = cpu_native.linear(x, weight, bias)
+    if y is None:  # a shape this CPU's kernels do not take (rows past their crossover)
+        lib = cpu_native.library()
+        if dtype == torch.float32:
+            assert rows > cpu_native.F32_MAX_ROWS
+        else:
+            assert not (lib.amx and in_features % 32 == 0) and rows > cpu_native.BF16_MAX_ROWS
+        return
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    assert y.dtype == dtype and y.shape == (rows, out_features)
+    # fp32 accumulation either way; bf16 rounds the output once
+    assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
+
+
+def test_linear_declines_many_rows_and_other_devices():
+    weight = torch.randn(64, 64)
+    assert cpu_native.linear(torch.randn(cpu_native.F32_MAX_ROWS + 1, 64), weight, None) is None
+    assert cpu_native.linear(torch.randn(2, 64, dtype=torch.float16), weight.half(), None) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual_matches_torch(dtype, generator):
+    x = torch.randn(5, 576, generator=generator).to(dtype)
+    residual = torch.randn(5, 576, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=generator)).to(dtype)
+
+    def reference(h):
+        normed = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return weight * normed.to(dtype)
+
+    out, summed = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, x + residual)
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7  # one rounding step of the output's dtype
+    assert ((out.float() - reference(x + residual).float()).abs() <= ulp * reference(x + residual).float().abs() + 1e-6).all()
+    alone, none = cpu_native.rms_norm(x, weight, 1e-5)
+    assert none is None and ((alone.float() - reference(x).float()).abs() <= ulp * reference(x).float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_torch(dtype, generator):
+    packed = torch.randn(6, 9 + 3 + 3, 64, generator=generator).to(dtype)  # q, k, v heads of 6 tokens
+    angles = torch.rand(6, 1, 64, generator=generator) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = packed[:, :12]
+    half = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
+    expected = qk * cos + half * sin
+    v_before = packed[:, 12:].clone()
+    assert cpu_native.rotary_(qk, cos, sin)
+    assert torch.equal(qk, expected) and torch.equal(packed[:, 12:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype, generator):
+    gate_up = torch.randn(3, 2 * 1536, generator=generator).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = cpu_native.silu_and_mul(gate_up)
+    assert (out.float() - expected.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 2**-7) * 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_reference_and_checks_slots(dtype, generator):
+    kv = torch.randn(4, 2 + 2 + 2, 64, generator=generator).to(dtype)  # a projection's q, k, v heads
+    key, value = kv[:, 2:4], kv[:, 4:]
+    slots = torch.tensor([5, -1, 0, 31])
+    caches = [torch.zeros(2, 16, 2, 64, dtype=dtype) for _ in range(4)]
+    assert cpu_native.store_kv(key, value, caches[0], caches[1], slots)
+    TorchReferenceBackend().store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError):
+        cpu_native.store_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 32]))
