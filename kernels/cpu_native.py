@@ -138,14 +138,13 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor | None:
-    lib = library()
     dtype = DTYPES.get(query.dtype)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
+    lib = library() if query.device.type == "cpu" else None
     if (
         lib is None
         or dtype is None
-        or query.device.type != "cpu"
         or not (k_cache.dtype == v_cache.dtype == query.dtype)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or query.stride(2) != 1
@@ -178,8 +177,10 @@ F32_MAX_ROWS = 4
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for steps of few rows."""
+    if x.device.type != "cpu":
+        return None  # checked first: a GPU process never builds the library
     lib = library()
-    if lib is None or x.device.type != "cpu" or x.dtype != weight.dtype or not weight.is_contiguous():
+    if lib is None or x.dtype != weight.dtype or not weight.is_contiguous():
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
@@ -205,11 +206,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def _takes(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library, if every tensor is a CPU tensor of one dtype it takes."""
-    lib = library()
     dtype = tensors[0].dtype
-    if lib is None or dtype not in DTYPES or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+    if dtype not in DTYPES or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         return None
-    return lib
+    return library()
 
 
 def rms_norm(
