@@ -104,28 +104,6 @@ def test_rms_norm_with_and_without_residual_matches_torch(dtype, generator):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_matches_torch(dtype, generator):
-    packed = torch.randn(6, 9 + 3 + 3, 64, generator=generator).to(dtype)  # q, k, v heads of 6 tokens
-    angles = torch.rand(6, 1, 64, generator=generator) * 6
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    qk = packed[:, :12]
-    half = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
-    expected = qk * cos + half * sin
-    v_before = packed[:, 12:].clone()
-    assert cpu_native.rotary_(qk, cos, sin)
-    assert torch.equal(qk, expected) and torch.equal(packed[:, 12:], v_before)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_torch(dtype, generator):
-    gate_up = torch.randn(3, 2 * 1536, generator=generator).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = F.silu(gate) * up
-    out = cpu_native.silu_and_mul(gate_up)
-    assert (out.float() - expected.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 2**-7) * 8
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_matches_reference_and_checks_slots(dtype, generator):
     kv = torch.randn(4, 2 + 2 + 2, 64, generator=generator).to(dtype)  # a projection's q, k, v heads
     key, value = kv[:, 2:4], kv[:, 4:]

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-from pagoda.kernels import cpu_native
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -78,8 +77,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate packed heads x [T, heads, D] (q, k, or both side by side) by this step's angles; in place
-    where the native CPU kernel takes x (a fresh projection output), into a new tensor elsewhere."""
-    if cpu_native.rotary_(x, cos, sin):
-        return x
+    """Rotate packed heads x [T, heads, D] (q, k, or both side by side) by this step's angles."""
     return x * cos + _rotate_half(x) * sin
