@@ -174,16 +174,16 @@ int pagoda_rms_norm(const void *x, const void *residual, void *summed, const voi
 }
 
 /* k_cache/v_cache [num_blocks * block_size, kv_heads * head_dim] rows at `slots` (-1: skipped) take
- * key/value rows [tokens, kv_heads * head_dim] (token stride given, the rest contiguous). */
-int pagoda_store_kv(const void *key, const void *value, int64_t token_stride, void *k_cache, void *v_cache,
-                    const int64_t *slots, int tokens, int row_elems, int64_t num_slots, int dtype) {
+ * key/value rows [tokens, kv_heads * head_dim] (token strides given, the rest contiguous). */
+int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *k_cache,
+                    void *v_cache, const int64_t *slots, int tokens, int row_elems, int64_t num_slots, int dtype) {
     const size_t size = dtype == DTYPE_BF16 ? 2 : 4, bytes = (size_t)row_elems * size;
     for (int t = 0; t < tokens; t++)
         if (slots[t] >= num_slots) return -1;
     for (int t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy((char *)k_cache + slots[t] * bytes, (const char *)key + t * token_stride * size, bytes);
-        memcpy((char *)v_cache + slots[t] * bytes, (const char *)value + t * token_stride * size, bytes);
+        memcpy((char *)k_cache + slots[t] * bytes, (const char *)key + t * key_stride * size, bytes);
+        memcpy((char *)v_cache + slots[t] * bytes, (const char *)value + t * value_stride * size, bytes);
     }
     return 0;
 }

@@ -97,7 +97,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32"):
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
-    lib.pagoda_store_kv.argtypes = [p, p, i64, p, p, p, i32, i32, i64, i32]
+    lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
     return lib
 
@@ -230,18 +230,18 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:
     """key/value [tokens, kv_heads, head_dim] into the caches' slots (-1: skipped); False where the
     kernel does not take the tensors (the caller stores them)."""
     lib = _takes(key, value, k_cache, v_cache)
+    rows_contiguous = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
     if (
         lib is None
-        or key.stride() != value.stride()
-        or key.stride(2) != 1
-        or key.stride(1) != key.shape[2]
+        or key.shape != value.shape
+        or not rows_contiguous
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or slot_mapping.dtype != torch.int64
         or not slot_mapping.is_contiguous()
     ):
         return False
     status = lib.pagoda_store_kv(
-        key.data_ptr(), value.data_ptr(), key.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
         k_cache.shape[0] * k_cache.shape[1], DTYPES[key.dtype],
     )  # fmt: skip

@@ -286,7 +286,8 @@ class LLMEngine:
                 (s.token_ids[: s.prompt_len], s.output_token_ids) if p.needs_penalties else ([], [])
                 for s, p in zip(seqs, params, strict=True)
             ]
-            result = self.sampler(logits[rows], params, [s.generator for s in seqs], token_lists)
+            rows_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no copy: every row
+            result = self.sampler(rows_logits, params, [s.generator for s in seqs], token_lists)
             for i, (seq, request) in enumerate(zip(seqs, requests, strict=True)):
                 self._append_token(
                     request, seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]

@@ -78,8 +78,7 @@ class Sampler:
         generators: list[torch.Generator | None],
         token_lists: list[tuple[list[int], list[int]]] | None = None,  # (prompt, output) ids per row
     ) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = raw = logits.float()  # returned logprobs are of the raw model distribution
         penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         if penalty_rows or bias_rows:
@@ -107,12 +106,13 @@ class Sampler:
             )
             chosen[random_rows] = sampled.to(chosen.device)
         chosen_list = chosen.tolist()
-        chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        # The chosen token's log-probability without writing out the whole log-softmax.
+        chosen_logprobs = (raw.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)).tolist()
         top: list[dict[int, float] | None] = [None] * len(params)
         max_k = max((p.logprobs or 0 for p in params), default=0)
         top_values = top_ids = None
         if max_k > 0:
-            top_values, top_ids = raw_logprobs.topk(max_k, dim=-1)
+            top_values, top_ids = torch.log_softmax(raw, dim=-1).topk(max_k, dim=-1)
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
         for i, p in enumerate(params):
             if p.logprobs is None:
