@@ -31,12 +31,12 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; branch-free */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 static inline void load_f32(const void *base, int64_t offset, int dtype, float *out, int n) {
