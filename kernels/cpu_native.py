@@ -97,6 +97,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32"):
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
+    lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
     return lib
@@ -224,6 +225,18 @@ def rms_norm(
     status = lib.pagoda_rms_norm(x.data_ptr(), _ptr(residual), _ptr(summed), weight.data_ptr(), out.data_ptr(),
                                  x.numel() // hidden, hidden, eps, DTYPES[x.dtype], torch.get_num_threads())  # fmt: skip
     return (out, summed) if status == 0 else None
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up [..., 2 * inter] (gate first), rounded where torch's two ops round."""
+    lib = _takes(gate_up)
+    if lib is None or not gate_up.is_contiguous():
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    status = lib.pagoda_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                                 DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
+    return out if status == 0 else None
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:

@@ -114,3 +114,16 @@ def test_store_kv_matches_reference_and_checks_slots(dtype, generator):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(IndexError):
         cpu_native.store_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 32]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 37), (40, 2048)])
+def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=generator)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = cpu_native.silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:  # rounds where torch rounds: the same numbers
+        assert torch.equal(out, expected)
+    else:
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
