@@ -42,7 +42,7 @@ from e2e.load import Load, RequestRecord, outcome
 from e2e.local import CR_PATH, NAME, NAMESPACE, start_operator
 from e2e.pod_runner import PodRunner
 
-CLIENTS = 6  # closed-loop users: 2 servers x (1 running + 2 waiting)
+CLIENTS = 8  # closed-loop users: enough that 2 servers of 16 blocks stay above the KV target
 THINK_S = 0.5  # each user waits a random 0..0.5 s before its next request
 TIMEOUT_S = 60.0  # the clients' timeout: a fault must end a request well before it
 RESOURCE = f"{crd.API_VERSION}/{crd.PLURAL}"

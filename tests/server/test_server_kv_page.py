@@ -137,10 +137,13 @@ def test_a_shared_prompt_shows_prefix_cache_hits(pod, page):
 
 def test_pause_and_step_through_history(pod, page):
     page.evaluate("kv.refresh()")
-    page.evaluate("document.getElementById('pause').click()")
-    frames = page.evaluate("kv.frames.length")
-    label = page.evaluate("document.getElementById('frame').textContent")
-    assert label.startswith(f"snapshot {frames} of {frames}")
+    # Pausing holds the newest snapshot; the page keeps polling, so more may arrive after it (read
+    # the view and the label in one evaluation, as one moment of the page).
+    frames, view, label = page.evaluate(
+        "(document.getElementById('pause').click(),"
+        " [kv.frames.length, kv.view, document.getElementById('frame').textContent])"
+    )
+    assert view == frames - 1 and label.startswith(f"snapshot {frames} of {frames}")
     page.evaluate("document.getElementById('back').click()")
     assert page.evaluate("document.getElementById('frame').textContent").startswith(
         f"snapshot {frames - 1} of"
