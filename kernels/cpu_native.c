@@ -1,14 +1,15 @@
 /* Native CPU kernels: paged decode attention and few-row linear layers.
  *
  * Compiled on the machine that runs them (-march=native, see cpu_native.py) and called through ctypes
- * with raw pointers. OpenMP here is the libgomp torch already loaded (same soname), so these loops
- * and torch's share one thread team instead of fighting for the cores.
+ * with raw pointers. OpenMP here is the libgomp torch already loaded (linked by its path), so these
+ * loops and torch's share one thread team instead of fighting for the cores.
  *
  * Why they exist: at decode batch sizes a CPU step pays for fixed costs, not arithmetic. torch's
- * fused attention spends ~0.3 ms a layer on 16 short sequences (plus a gather of their blocks), and
- * oneDNN's bf16 GEMM reads weights at half the DRAM bandwidth when a step has a few rows. Here:
- * attention reads K/V straight from the blocks (no gather, no mask), and the linear kernel streams
- * each weight row once through AVX-512 registers for every row of the step.
+ * fused attention spends ~0.3 ms a layer on 16 short sequences (plus a gather of their blocks),
+ * oneDNN's bf16 GEMM reads weights at half the DRAM bandwidth when a step has a few rows, and every
+ * small elementwise op pays a dispatch. Here: attention reads K/V straight from the blocks (no gather,
+ * no mask), the linear kernels stream each weight row once for every row of the step (AMX tiles or
+ * AVX-512 registers), and the residual add + RMSNorm and SiLU x up are one call each.
  */
 #include <float.h>
 #include <math.h>

@@ -100,6 +100,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
+    lib.max_head_dim, lib.max_group = lib.pagoda_max_head_dim(), lib.pagoda_max_group()
     return lib
 
 
@@ -147,9 +148,9 @@ def paged_decode_attention(
         or not (k_cache.dtype == v_cache.dtype == query.dtype)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or query.stride(2) != 1
-        or head_dim > 256
+        or head_dim > lib.max_head_dim
         or num_heads % num_kv_heads
-        or num_heads // num_kv_heads > 16
+        or num_heads // num_kv_heads > lib.max_group
     ):
         return None
     tables = block_tables.to(torch.int32).contiguous()

@@ -37,7 +37,11 @@ async def load(url: str, model: str) -> None:
                         return  # leaving the block closes the connection mid-stream
 
         await one(-1)  # fills the prefix cache: the concurrent requests below hit it
-        await asyncio.gather(*(one(i) for i in range(5)), one(5, n=2), one(6, abort=True))
+        # Rounds for at least 2 s: several 0.5 s scrapes must see requests running, however fast a
+        # round is.
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.gather(*(one(i) for i in range(5)), one(5, n=2), one(6, abort=True))
 
 
 async def test_prometheus_scrapes_every_documented_metric(server, tmp_path):
