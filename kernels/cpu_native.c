@@ -59,13 +59,200 @@ static inline void store_f32(void *base, int64_t offset, int dtype, const float 
     }
 }
 
+#if defined(__AVX512F__)
+/* AVX-512 helpers: 16 fp32 lanes, loaded from / stored to either dtype (masked for tails); exp by
+ * Cephes' range reduction and polynomial (~1 ulp). */
+static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+static inline __m512 load16(const void *base, int64_t offset, __mmask16 mask, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + offset);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)base + offset);
+}
+
+static inline __m512i bf16_bits(__m512 v) { /* round to nearest even, quiet NaN: as torch */
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
+}
+
+static inline __m512 round16(__m512 v, const int dtype) {
+    return dtype == DTYPE_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)) : v;
+}
+
+/* The four sums of a, b, c, d (one output each) as one vector: a tree of adds, not four reductions. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+static inline void store16(void *base, int64_t offset, __m512 v, __mmask16 mask, const int dtype) {
+    if (dtype == DTYPE_BF16)
+        _mm256_mask_storeu_epi16((uint16_t *)base + offset, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
+    else
+        _mm512_mask_storeu_ps((float *)base + offset, mask, v);
+}
+
+#endif
+
 int pagoda_max_head_dim(void) { return MAX_HEAD_DIM; }
 int pagoda_max_group(void) { return MAX_GROUP; }
 
 /* One query token per sequence against its cached context, online softmax in fp32.
  * q: [num_seqs, num_heads, head_dim] with the given strides (elements); caches:
  * [num_blocks, block_size, num_kv_heads, head_dim] contiguous; out: [num_seqs, num_heads, head_dim]
- * contiguous. A sequence sees its last `sliding_window` tokens (0: all of them). */
+ * contiguous. A sequence sees its last `sliding_window` tokens (0: all of them).
+ * One task per (sequence, KV head) attends for the query heads of its group, so each K/V row is
+ * read once for all of them. */
+struct attention_task {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *table;
+    void *out;
+    int64_t q_offset, q_head_stride, out_offset, kv_offset, token_stride;
+    int group, head_dim, block_size, start, length, dtype;
+    float scale;
+};
+
+#if defined(__AVX512F__)
+#define CHUNK 16 /* tokens whose scores are exponentiated together */
+
+/* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
+ * once), one online-softmax update for the chunk with a vectorized exp, then the weighted sum of
+ * their V rows. Per-token work is a few vector instructions, not a dependent chain of scalar ones. */
+static void attend(const struct attention_task *a, const int dtype) {
+    const int group = a->group, head_dim = a->head_dim, chunks = (head_dim + 15) / 16;
+    __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16], acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+    float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+    __mmask16 tail[MAX_HEAD_DIM / 16];
+    for (int c = 0; c < chunks; c++)
+        tail[c] = head_dim - 16 * c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - 16 * c)) - 1);
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < chunks; c++) {
+            const __m512 raw = load16(a->q, a->q_offset + g * a->q_head_stride + 16 * c, tail[c], dtype);
+            qv[g][c] = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+        row_max[g] = -FLT_MAX;
+        row_sum[g] = 0.0f;
+    }
+    for (int t = a->start; t < a->length;) {
+        const int in_block = t % a->block_size;
+        int n = a->block_size - in_block;
+        if (n > CHUNK) n = CHUNK;
+        if (n > a->length - t) n = a->length - t;
+        const int64_t base = ((int64_t)a->table[t / a->block_size] * a->block_size + in_block) * a->token_stride + a->kv_offset;
+        float scores[MAX_GROUP][CHUNK];
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < n; j += 4) {
+                __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int c = 0; c < chunks; c++)
+                    for (int u = 0; u < 4; u++) { /* past the chunk: its last token again, dropped below */
+                        const int64_t row = base + (int64_t)(j + u < n ? j + u : n - 1) * a->token_stride;
+                        dot[u] = _mm512_fmadd_ps(qv[g][c], load16(a->k_cache, row + 16 * c, tail[c], dtype), dot[u]);
+                    }
+                float four[4];
+                _mm_storeu_ps(four, sum4(dot[0], dot[1], dot[2], dot[3]));
+                for (int u = 0; u < 4 && j + u < n; u++) scores[g][j + u] = four[u];
+            }
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        float probs[MAX_GROUP][CHUNK];
+        for (int g = 0; g < group; g++) {
+            const __m512 s = _mm512_maskz_loadu_ps(valid, scores[g]);
+            const float chunk_max = _mm512_mask_reduce_max_ps(valid, s);
+            if (chunk_max > row_max[g]) { /* rescale what was summed under the old maximum */
+                const float correction = expf(row_max[g] - chunk_max);
+                row_sum[g] *= correction;
+                for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
+                row_max[g] = chunk_max;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(row_max[g]))));
+            row_sum[g] += _mm512_reduce_add_ps(e);
+            _mm512_storeu_ps(probs[g], e);
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t row = base + (int64_t)j * a->token_stride;
+            for (int c = 0; c < chunks; c++) {
+                const __m512 v = load16(a->v_cache, row + 16 * c, tail[c], dtype);
+                for (int g = 0; g < group; g++) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);
+            }
+        }
+        t += n;
+    }
+    for (int g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            store16(a->out, a->out_offset + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), tail[c], dtype);
+    }
+}
+#else
+/* Token by token, for CPUs without AVX-512. */
+static void attend(const struct attention_task *a, const int dtype) {
+    const int group = a->group, head_dim = a->head_dim;
+    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+    float row_max[MAX_GROUP], row_sum[MAX_GROUP], kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];
+    for (int g = 0; g < group; g++) {
+        load_f32(a->q, a->q_offset + g * a->q_head_stride, dtype, qf[g], head_dim);
+        for (int i = 0; i < head_dim; i++) {
+            qf[g][i] *= a->scale;
+            acc[g][i] = 0.0f;
+        }
+        row_max[g] = -FLT_MAX;
+        row_sum[g] = 0.0f;
+    }
+    for (int t = a->start; t < a->length; t++) {
+        const int64_t offset =
+            ((int64_t)a->table[t / a->block_size] * a->block_size + t % a->block_size) * a->token_stride + a->kv_offset;
+        load_f32(a->k_cache, offset, dtype, kf, head_dim);
+        load_f32(a->v_cache, offset, dtype, vf, head_dim);
+        for (int g = 0; g < group; g++) {
+            float score = 0.0f;
+#pragma omp simd reduction(+ : score)
+            for (int i = 0; i < head_dim; i++) score += qf[g][i] * kf[i];
+            if (score > row_max[g]) { /* rescale what was summed under the old maximum */
+                const float correction = expf(row_max[g] - score);
+                row_sum[g] *= correction;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) acc[g][i] *= correction;
+                row_max[g] = score;
+            }
+            const float p = expf(score - row_max[g]);
+            row_sum[g] += p;
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) acc[g][i] += p * vf[i];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
+        for (int i = 0; i < head_dim; i++) acc[g][i] *= inv;
+        store_f32(a->out, a->out_offset + g * head_dim, dtype, acc[g], head_dim);
+    }
+}
+#endif
+
 int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q_head_stride,
                                   const void *k_cache, const void *v_cache, const int32_t *block_tables,
                                   int64_t block_table_stride, const int32_t *context_lens, void *out,
@@ -79,52 +266,22 @@ int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q
             const int32_t block = block_tables[seq * block_table_stride + b];
             if (block < 0 || block >= num_blocks) return -2;
         }
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < num_seqs * num_kv_heads; task++) {
-        const int seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
-        float row_max[MAX_GROUP], row_sum[MAX_GROUP], kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];
-        for (int g = 0; g < group; g++) {
-            const int head = kv_head * group + g;
-            load_f32(q, seq * q_seq_stride + head * q_head_stride, dtype, qf[g], head_dim);
-            for (int i = 0; i < head_dim; i++) {
-                qf[g][i] *= scale;
-                acc[g][i] = 0.0f;
-            }
-            row_max[g] = -FLT_MAX;
-            row_sum[g] = 0.0f;
-        }
-        const int length = context_lens[seq];
-        const int start = sliding_window > 0 && length > sliding_window ? length - sliding_window : 0;
-        const int32_t *table = block_tables + seq * block_table_stride;
-        for (int t = start; t < length; t++) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const int64_t offset = slot * token_stride + (int64_t)kv_head * head_dim;
-            load_f32(k_cache, offset, dtype, kf, head_dim);
-            load_f32(v_cache, offset, dtype, vf, head_dim);
-            for (int g = 0; g < group; g++) {
-                float score = 0.0f;
-#pragma omp simd reduction(+ : score)
-                for (int i = 0; i < head_dim; i++) score += qf[g][i] * kf[i];
-                if (score > row_max[g]) { /* rescale what was summed under the old maximum */
-                    const float correction = expf(row_max[g] - score);
-                    row_sum[g] *= correction;
-#pragma omp simd
-                    for (int i = 0; i < head_dim; i++) acc[g][i] *= correction;
-                    row_max[g] = score;
-                }
-                const float p = expf(score - row_max[g]);
-                row_sum[g] += p;
-#pragma omp simd
-                for (int i = 0; i < head_dim; i++) acc[g][i] += p * vf[i];
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
-            for (int i = 0; i < head_dim; i++) acc[g][i] *= inv;
-            store_f32(out, ((int64_t)seq * num_heads + kv_head * group + g) * head_dim, dtype, acc[g], head_dim);
-        }
+        const int seq = task / num_kv_heads, kv_head = task % num_kv_heads, length = context_lens[seq];
+        const struct attention_task a = {
+            .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+            .table = block_tables + seq * block_table_stride,
+            .q_offset = seq * q_seq_stride + (int64_t)kv_head * group * q_head_stride,
+            .q_head_stride = q_head_stride,
+            .out_offset = ((int64_t)seq * num_heads + kv_head * group) * head_dim,
+            .kv_offset = (int64_t)kv_head * head_dim,
+            .token_stride = (int64_t)num_kv_heads * head_dim,
+            .group = group, .head_dim = head_dim, .block_size = block_size,
+            .start = sliding_window > 0 && length > sliding_window ? length - sliding_window : 0,
+            .length = length, .dtype = dtype, .scale = scale,
+        };
+        if (dtype == DTYPE_BF16) attend(&a, DTYPE_BF16); else attend(&a, DTYPE_F32);
     }
     return 0;
 }
@@ -175,54 +332,9 @@ int pagoda_rms_norm(const void *x, const void *residual, void *summed, const voi
 }
 
 /* out [rows, inter] = silu(gate) * up of gate_up [rows, 2 * inter] contiguous (gate first), in
- * AVX-512 registers, 16 elements at a time; exp by Cephes' range reduction and polynomial (~1 ulp).
+ * AVX-512 registers, 16 elements at a time.
  * bf16 rounds where torch's two ops do: silu(gate), then the product. */
 #if defined(__AVX512F__)
-static inline __m512 exp_avx512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
-static inline __m512 load16(const void *base, int64_t offset, __mmask16 mask, const int dtype) {
-    if (dtype == DTYPE_BF16) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + offset);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    return _mm512_maskz_loadu_ps(mask, (const float *)base + offset);
-}
-
-static inline __m512i bf16_bits(__m512 v) { /* round to nearest even, quiet NaN: as torch */
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
-}
-
-static inline __m512 round16(__m512 v, const int dtype) {
-    return dtype == DTYPE_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)) : v;
-}
-
-static inline void store16(void *base, int64_t offset, __m512 v, __mmask16 mask, const int dtype) {
-    if (dtype == DTYPE_BF16)
-        _mm256_mask_storeu_epi16((uint16_t *)base + offset, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
-    else
-        _mm512_mask_storeu_ps((float *)base + offset, mask, v);
-}
-
 INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter, const int dtype) {
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (int i = 0; i < inter; i += 16) {
@@ -260,9 +372,11 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
     return 0;
 }
 
-/* ---- y[M, N] = x[M, K] W[N, K]^T (+ bias), for steps with few rows ---------------------------
+/* ---- y[M, N] = x[M, K] W[N, K]^T (+ bias), for decode-sized steps ----------------------------
  * Tiles of up to 4 rows x 4 outputs: each weight row is read from DRAM once per step (the first
- * row tile; the others find it in L1) and every row of the step reuses it from registers. */
+ * row tile; the others find it in L1) and every row of the step reuses it from registers. While the
+ * later row tiles compute, the next tile's weight rows are prefetched, so the DRAM stream and the
+ * arithmetic overlap (past a few rows the arithmetic is as long as the stream on two cores). */
 #define TILE 4
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within. */
@@ -273,10 +387,14 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         for (int tile = 0; tile < tiles; tile++) {                                                      \
             const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
             const T *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;                               \
+            const T *next = tile + 1 < tiles ? wn + (int64_t)TILE * K : 0;                              \
+            const int next_rows = N - n0 - TILE < TILE ? N - n0 - TILE : TILE;                          \
             for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
                 const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
                 const T *xm = x + (int64_t)m0 * K;                                                      \
                 T *ym = y + (int64_t)m0 * N + n0;                                                       \
+                /* row tiles after the first read the weights from L1: the next tile streams in */    \
+                const T *pf = m0 > 0 || M <= TILE ? next : 0;                                           \
                 switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
                     TILE_CASES(tile_fn)                                                                 \
                 }                                                                                       \
@@ -285,24 +403,42 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         return 0;                                                                                       \
     }
 #define TILE_CASE(tile_fn, mb, nb) \
-    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb); break;
+    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb, pf, next_rows); break;
 #define TILE_CASES(f)                                                                     \
     TILE_CASE(f, 1, 1) TILE_CASE(f, 1, 2) TILE_CASE(f, 1, 3) TILE_CASE(f, 1, 4)           \
     TILE_CASE(f, 2, 1) TILE_CASE(f, 2, 2) TILE_CASE(f, 2, 3) TILE_CASE(f, 2, 4)           \
     TILE_CASE(f, 3, 1) TILE_CASE(f, 3, 2) TILE_CASE(f, 3, 3) TILE_CASE(f, 3, 4)           \
     TILE_CASE(f, 4, 1) TILE_CASE(f, 4, 2) TILE_CASE(f, 4, 3) TILE_CASE(f, 4, 4)
 
+#if defined(__AVX512F__)
+/* The row sums of acc[m][0..NB) for the tile's rows, in out[m][n]. */
+#define TILE_SUMS(acc, out, MB, NB)                                                          \
+    for (int m = 0; m < MB; m++) {                                                           \
+        if (NB == TILE)                                                                      \
+            _mm_storeu_ps(out[m], sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));         \
+        else                                                                                 \
+            for (int n = 0; n < NB; n++) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);        \
+    }
+
+/* One cache line of each of the next tile's weight rows per step of the k loop. */
+#define PREFETCH_NEXT(next, next_rows, K, k)                                                 \
+    if (next)                                                                                \
+        for (int n = 0; n < next_rows; n++) _mm_prefetch((const char *)(next + (int64_t)n * K + k), _MM_HINT_T0);
+#endif
+
 #if defined(__AVX512BF16__)
 int pagoda_has_bf16_linear(void) { return 1; }
 
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
                                                             const uint16_t *bias, uint16_t *y, int K,
-                                                            int ldy, const int MB, const int NB) {
+                                                            int ldy, const int MB, const int NB,
+                                                            const uint16_t *next, int next_rows) {
     __m512 acc[TILE][TILE];
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
+        PREFETCH_NEXT(next, next_rows, K, k)
         __m512bh wv[TILE];
         for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_loadu_si512(w + (int64_t)n * K + k);
         for (int m = 0; m < MB; m++) {
@@ -319,12 +455,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
         }
     }
+    float sums[TILE][TILE];
+    TILE_SUMS(acc, sums, MB, NB)
     for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) {
-            float v = _mm512_reduce_add_ps(acc[m][n]);
-            if (bias) v += bf16_to_f32(bias[n]);
-            y[(int64_t)m * ldy + n] = f32_to_bf16(v);
-        }
+        for (int n = 0; n < NB; n++)
+            y[(int64_t)m * ldy + n] = f32_to_bf16(sums[m][n] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
 }
 
 DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, tile_bf16)
@@ -414,6 +549,8 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
                 const int MB = M - m0 < TILE ? M - m0 : TILE;
                 const uint16_t *xm = x + (int64_t)m0 * K, *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;
                 uint16_t *ym = y + (int64_t)m0 * N + n0;
+                const uint16_t *pf = 0;
+                const int next_rows = 0;
                 switch (MB * 8 + 1) { TILE_CASE(tile_bf16, 1, 1) TILE_CASE(tile_bf16, 2, 1) TILE_CASE(tile_bf16, 3, 1) TILE_CASE(tile_bf16, 4, 1) }
             }
     }
@@ -432,12 +569,14 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
 int pagoda_has_f32_linear(void) { return 1; }
 
 static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
-                                                           float *y, int K, int ldy, const int MB, const int NB) {
+                                                           float *y, int K, int ldy, const int MB, const int NB,
+                                                           const float *next, int next_rows) {
     __m512 acc[TILE][TILE];
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 16 <= K; k += 16) {
+        PREFETCH_NEXT(next, next_rows, K, k)
         __m512 wv[TILE];
         for (int n = 0; n < NB; n++) wv[n] = _mm512_loadu_ps(w + (int64_t)n * K + k);
         for (int m = 0; m < MB; m++) {
@@ -454,11 +593,10 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, const
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
         }
     }
+    float sums[TILE][TILE];
+    TILE_SUMS(acc, sums, MB, NB)
     for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) {
-            float v = _mm512_reduce_add_ps(acc[m][n]);
-            y[(int64_t)m * ldy + n] = bias ? v + bias[n] : v;
-        }
+        for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = bias ? sums[m][n] + bias[n] : sums[m][n];
 }
 
 DEFINE_LINEAR(pagoda_linear_f32, float, tile_f32)

@@ -168,15 +168,22 @@ def paged_decode_attention(
 
 
 # Rows up to which each kernel beats torch's (oneDNN/MKL) GEMM on a whole model's weights, 2 cores,
-# SmolLM2-135M shapes (docs/benchmarks.md): AMX bf16 1.5-2.4x at 1-16 rows; AVX-512 bf16 dot products
-# only at one row (3x; their throughput is low past it); AVX-512 fp32 FMA 1.2-1.4x up to 4 rows.
+# SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids (AMX): AMX bf16
+# 1.5-2.4x at 1-16 rows, AVX-512 bf16 dot products only at one row, fp32 1.2-1.4x up to 4 rows (past
+# that its two 512-bit FMA units make oneDNN the faster). Zen 4 (AVX512-BF16, no AMX): both dot-product
+# kernels ahead of torch at every row count to 64 (bf16 1.1-1.5x, fp32 1.1-3x).
 AMX_MAX_ROWS = 16
-BF16_MAX_ROWS = 1
-F32_MAX_ROWS = 4
+
+
+def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
+    """Rows up to which the AVX-512 dot-product kernel of `dtype` runs (0: never)."""
+    if dtype == torch.bfloat16:
+        return 0 if not lib.pagoda_has_bf16_linear() else 1 if lib.amx else 64
+    return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for steps of few rows."""
+    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for decode-sized steps."""
     if x.device.type != "cpu":
         return None  # checked first: a GPU process never builds the library
     lib = library()
@@ -189,11 +196,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if x.dtype == torch.bfloat16:
         if lib.amx and num_rows <= AMX_MAX_ROWS and in_features % 32 == 0 and out_features >= 16:
             kernel = lib.pagoda_linear_bf16_amx
-        elif num_rows <= BF16_MAX_ROWS and lib.pagoda_has_bf16_linear():
+        elif num_rows <= max_rows(lib, x.dtype):
             kernel = lib.pagoda_linear_bf16
         else:
             return None
-    elif x.dtype == torch.float32 and num_rows <= F32_MAX_ROWS and lib.pagoda_has_f32_linear():
+    elif x.dtype == torch.float32 and num_rows <= max_rows(lib, x.dtype):
         kernel = lib.pagoda_linear_f32
     else:
         return None

@@ -59,7 +59,7 @@ def test_decode_attention_refuses_a_block_outside_the_cache(generator):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37, 64, 65])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50)])
 def test_linear_matches_torch(dtype, rows, out_features, in_features, generator):
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
@@ -68,10 +68,8 @@ def test_linear_matches_torch(dtype, rows, out_features, in_features, generator)
     y = cpu_native.linear(x, weight, bias)
     if y is None:  # a shape this CPU's kernels do not take (rows past their crossover)
         lib = cpu_native.library()
-        if dtype == torch.float32:
-            assert rows > cpu_native.F32_MAX_ROWS
-        else:
-            assert not (lib.amx and in_features % 32 == 0) and rows > cpu_native.BF16_MAX_ROWS
+        amx_takes = dtype == torch.bfloat16 and lib.amx and in_features % 32 == 0 and rows <= cpu_native.AMX_MAX_ROWS
+        assert not amx_takes and rows > cpu_native.max_rows(lib, dtype)
         return
     expected = F.linear(x.float(), weight.float(), bias.float())
     assert y.dtype == dtype and y.shape == (rows, out_features)
@@ -81,7 +79,8 @@ def test_linear_matches_torch(dtype, rows, out_features, in_features, generator)
 
 def test_linear_declines_many_rows_and_other_devices():
     weight = torch.randn(64, 64)
-    assert cpu_native.linear(torch.randn(cpu_native.F32_MAX_ROWS + 1, 64), weight, None) is None
+    rows = cpu_native.max_rows(cpu_native.library(), torch.float32) + 1
+    assert cpu_native.linear(torch.randn(rows, 64), weight, None) is None
     assert cpu_native.linear(torch.randn(2, 64, dtype=torch.float16), weight.half(), None) is None
 
 
