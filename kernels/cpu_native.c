@@ -607,3 +607,118 @@ int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *
     return -1;
 }
 #endif
+
+/* ---- The decoder layers of a decode step in one call ------------------------------------------
+ * What the model's layers do op by op (norm, q/k/v, rotary, KV store, attention, o, norm, gate/up,
+ * SiLU x up, down), each by the kernel above it would run on, in the same order and with the same
+ * roundings: the result is the op-by-op one, bit for bit, without a Python dispatch per op (about
+ * a fifth of a one-row step). Llama-family layers without q/k norms; the projections' kernels are
+ * chosen by the caller (`linear_kernel` in cpu_native.py), one per projection. */
+struct decoder_layer {
+    const void *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias, *post_norm;
+    const void *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    void *k_cache, *v_cache;
+    int64_t sliding_window; /* 0: full attention */
+};
+
+struct decoder_shape {
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_blocks, dtype;
+    int qkv_kernel, o_kernel, gate_up_kernel, down_kernel; /* LINEAR_* */
+    float eps, scale;
+};
+
+enum { LINEAR_DOT = 0, LINEAR_AMX = 1 };
+
+#if defined(__AVX512F__)
+int pagoda_has_decode_layers(void) { return 1; }
+#else
+int pagoda_has_decode_layers(void) { return 0; } /* SiLU x up is AVX-512 only */
+#endif
+
+static int run_linear(int kernel, int dtype, const void *x, const void *w, const void *bias, void *y, int M, int N,
+                      int K, int num_threads) {
+    if (kernel == LINEAR_AMX) return pagoda_linear_bf16_amx(x, w, bias, y, M, N, K, num_threads);
+    return dtype == DTYPE_BF16 ? pagoda_linear_bf16(x, w, bias, y, M, N, K, num_threads)
+                               : pagoda_linear_f32(x, w, bias, y, M, N, K, num_threads);
+}
+
+/* x * cos + rotate_half(x) * sin for each head of a token, in place, rounded after each op as torch's
+ * three ops are (hence no contraction into fused multiply-adds). */
+__attribute__((optimize("fp-contract=off"))) static void rotate(void *x, int64_t offset, int heads, int head_dim,
+                                                                const float *cos, const float *sin, int dtype) {
+    const int half = head_dim / 2;
+    float row[MAX_HEAD_DIM];
+    for (int h = 0; h < heads; h++) {
+        const int64_t at = offset + (int64_t)h * head_dim;
+        load_f32(x, at, dtype, row, head_dim);
+        float out[MAX_HEAD_DIM];
+        for (int i = 0; i < head_dim; i++) {
+            const float rotated = i < half ? -row[i + half] : row[i - half];
+            out[i] = round_to(round_to(row[i] * cos[i], dtype) + round_to(rotated * sin[i], dtype), dtype);
+        }
+        store_f32(x, at, dtype, out, head_dim);
+    }
+}
+
+/* hidden [rows, hidden]: the embeddings in, the last layer's MLP output out; residual [rows, hidden]:
+ * the residual stream before that output (the caller's final norm adds the two). cos/sin [rows,
+ * head_dim] in the model dtype; slots, block tables and context lengths as the attention's. */
+int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, const struct decoder_shape *s,
+                         void *hidden, void *residual, const void *cos, const void *sin, const int64_t *slots,
+                         const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,
+                         int rows, int num_threads) {
+    const int dtype = s->dtype, hd = s->head_dim;
+    const int q_size = s->num_heads * hd, kv_size = s->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
+    const size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t num_slots = (int64_t)s->num_blocks * s->block_size;
+    if (hd > MAX_HEAD_DIM || hd % 2 || s->hidden > MAX_HIDDEN) return -1;
+    for (int r = 0; r < rows; r++)
+        if (slots[r] >= num_slots) return -3;
+    const size_t wide = (size_t)(qkv_size > 2 * s->intermediate ? qkv_size : 2 * s->intermediate);
+    const size_t narrow = (size_t)(q_size > s->intermediate ? q_size : s->intermediate);
+    char *scratch = malloc((size_t)rows * ((s->hidden + wide + narrow) * elem + 2 * hd * sizeof(float)));
+    if (!scratch) return -1;
+    void *normed = scratch, *qkv_or_gate_up = scratch + (size_t)rows * s->hidden * elem;
+    void *attended_or_act = (char *)qkv_or_gate_up + (size_t)rows * wide * elem;
+    float *cos32 = (float *)((char *)attended_or_act + (size_t)rows * narrow * elem), *sin32 = cos32 + (size_t)rows * hd;
+    for (int r = 0; r < rows; r++) {
+        load_f32(cos, (int64_t)r * hd, dtype, cos32 + (int64_t)r * hd, hd);
+        load_f32(sin, (int64_t)r * hd, dtype, sin32 + (int64_t)r * hd, hd);
+    }
+    int status = 0;
+    for (int l = 0; l < num_layers && status == 0; l++) {
+        const struct decoder_layer *L = layers + l;
+        if (l == 0) { /* the residual stream starts as the embeddings */
+            memcpy(residual, hidden, (size_t)rows * s->hidden * elem);
+            pagoda_rms_norm(hidden, 0, 0, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        } else {
+            pagoda_rms_norm(hidden, residual, residual, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        }
+        status |= run_linear(s->qkv_kernel, dtype, normed, L->qkv_weight, L->qkv_bias, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
+        for (int r = 0; r < rows; r++) { /* q and k heads rotate together: they are side by side */
+            rotate(qkv_or_gate_up, (int64_t)r * qkv_size, s->num_heads + s->num_kv_heads, hd, cos32 + (int64_t)r * hd,
+                   sin32 + (int64_t)r * hd, dtype);
+            if (slots[r] < 0) continue;
+            const char *row = (const char *)qkv_or_gate_up + (size_t)r * qkv_size * elem;
+            memcpy((char *)L->k_cache + slots[r] * kv_size * elem, row + (size_t)q_size * elem, kv_size * elem);
+            memcpy((char *)L->v_cache + slots[r] * kv_size * elem, row + (size_t)(q_size + kv_size) * elem, kv_size * elem);
+        }
+        const int attended = pagoda_paged_decode_attention(
+            qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, block_tables, block_table_stride, context_lens, attended_or_act, rows,
+            s->num_heads, s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype,
+            num_threads);
+        if (attended) {
+            status = attended;
+            break;
+        }
+        status |= run_linear(s->o_kernel, dtype, attended_or_act, L->o_weight, L->o_bias, hidden, rows, s->hidden, q_size, num_threads);
+        pagoda_rms_norm(hidden, residual, residual, L->post_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        status |= run_linear(s->gate_up_kernel, dtype, normed, L->gate_up_weight, L->gate_up_bias, qkv_or_gate_up, rows,
+                             2 * s->intermediate, s->hidden, num_threads);
+        status |= pagoda_silu_mul(qkv_or_gate_up, attended_or_act, rows, s->intermediate, dtype, num_threads);
+        status |= run_linear(s->down_kernel, dtype, attended_or_act, L->down_weight, L->down_bias, hidden, rows, s->hidden,
+                             s->intermediate, num_threads);
+    }
+    free(scratch);
+    return status;
+}

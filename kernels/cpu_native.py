@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -99,6 +100,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
+    lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
     lib.max_head_dim, lib.max_group = lib.pagoda_max_head_dim(), lib.pagoda_max_group()
     return lib
@@ -129,6 +131,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _attention_takes(lib: ctypes.CDLL, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> bool:
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    return (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and head_dim <= lib.max_head_dim
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= lib.max_group
+    )
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -146,11 +159,8 @@ def paged_decode_attention(
         lib is None
         or dtype is None
         or not (k_cache.dtype == v_cache.dtype == query.dtype)
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or query.stride(2) != 1
-        or head_dim > lib.max_head_dim
-        or num_heads % num_kv_heads
-        or num_heads // num_kv_heads > lib.max_group
+        or not _attention_takes(lib, k_cache, v_cache, num_heads)
     ):
         return None
     tables = block_tables.to(torch.int32).contiguous()
@@ -182,32 +192,43 @@ def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
     return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for decode-sized steps."""
-    if x.device.type != "cpu":
+LINEAR_DOT, LINEAR_AMX = 0, 1  # cpu_native.c's kernels for a projection
+
+
+def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> int | None:
+    """The native kernel that computes rows x weightᵀ (+ bias) faster than torch's GEMM (LINEAR_DOT or
+    LINEAR_AMX), or None where none does or takes the tensors: the one rule for both `linear` and the
+    fused decode layers."""
+    if weight.device.type != "cpu":
         return None  # checked first: a GPU process never builds the library
     lib = library()
-    if lib is None or x.dtype != weight.dtype or not weight.is_contiguous():
+    if lib is None or weight.dtype not in DTYPES or not weight.is_contiguous():
         return None
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return None
     out_features, in_features = weight.shape
+    amx_takes = in_features % 32 == 0 and out_features >= 16
+    if weight.dtype == torch.bfloat16 and lib.amx and rows <= AMX_MAX_ROWS and amx_takes:
+        return LINEAR_AMX
+    return LINEAR_DOT if rows <= max_rows(lib, weight.dtype) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for decode-sized steps."""
+    out_features, in_features = weight.shape
     num_rows = x.numel() // in_features
-    if x.dtype == torch.bfloat16:
-        if lib.amx and num_rows <= AMX_MAX_ROWS and in_features % 32 == 0 and out_features >= 16:
-            kernel = lib.pagoda_linear_bf16_amx
-        elif num_rows <= max_rows(lib, x.dtype):
-            kernel = lib.pagoda_linear_bf16
-        else:
-            return None
-    elif x.dtype == torch.float32 and num_rows <= max_rows(lib, x.dtype):
-        kernel = lib.pagoda_linear_f32
-    else:
+    kernel = linear_kernel(weight, bias, num_rows) if x.dtype == weight.dtype else None
+    if kernel is None:
         return None
+    lib = library()
+    if kernel == LINEAR_AMX:
+        run = lib.pagoda_linear_bf16_amx
+    else:
+        run = lib.pagoda_linear_bf16 if x.dtype == torch.bfloat16 else lib.pagoda_linear_f32
     rows = x.reshape(num_rows, in_features).contiguous()
     y = torch.empty(num_rows, out_features, dtype=x.dtype)
-    status = kernel(rows.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
-                    num_rows, out_features, in_features, torch.get_num_threads())  # fmt: skip
+    status = run(rows.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
+                 num_rows, out_features, in_features, torch.get_num_threads())  # fmt: skip
     return y.view(*x.shape[:-1], out_features) if status == 0 else None
 
 
@@ -269,3 +290,129 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:
     if status != 0:
         raise IndexError("a slot is outside the KV cache")
     return True
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One Llama-family decoder layer's tensors as `DecodeLayers` reads them: (weight, bias) of each
+    projection, q/k/v and gate/up stacked as the model holds them; no q/k norms."""
+
+    input_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    post_norm: torch.Tensor
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    sliding_window: int | None
+
+    def projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+_POINTERS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm", "gate_up_weight",
+             "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache")  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [("sliding_window", ctypes.c_int64)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int)
+        for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size",
+                     "num_blocks", "dtype", "qkv_kernel", "o_kernel", "gate_up_kernel", "down_kernel")
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+
+
+class DecodeLayers:
+    """A model's decoder layers run as one native call per decode step (`pagoda_decode_layers`): the
+    kernels the layers run op by op, in their order, so the result is theirs bit for bit. The weights'
+    addresses are read once here; the tensors must stay where they are (loading copies into them)."""
+
+    def __init__(
+        self, layers: list[DecoderLayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float
+    ) -> None:
+        first = layers[0]
+        self.weights = layers  # keeps the tensors the structs point at alive
+        self.dtype = first.input_norm.dtype
+        hidden = first.input_norm.shape[0]
+        self.shape = _Shape(
+            hidden=hidden,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=first.o[0].shape[1] // num_heads,
+            intermediate=first.down[0].shape[1],
+            dtype=DTYPES[self.dtype],
+            eps=eps,
+            scale=scale,
+        )
+        self.structs = (_Layer * len(layers))()
+        for struct, layer in zip(self.structs, layers, strict=True):
+            for name, (weight, bias) in zip(("qkv", "o", "gate_up", "down"), layer.projections(), strict=True):
+                setattr(struct, f"{name}_weight", weight.data_ptr())
+                setattr(struct, f"{name}_bias", _ptr(bias))
+            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            struct.sliding_window = layer.sliding_window or 0
+        self._kernels: dict[int, tuple[int, int, int, int] | None] = {}
+
+    @staticmethod
+    def available() -> bool:
+        lib = library()
+        return lib is not None and lib.pagoda_has_decode_layers() == 1
+
+    def kernels(self, rows: int) -> tuple[int, int, int, int] | None:
+        """The native kernel of each projection at `rows` rows; None if torch's GEMM would run one."""
+        if rows not in self._kernels:
+            per_layer = {
+                tuple(linear_kernel(weight, bias, rows) for weight, bias in layer.projections())
+                for layer in self.weights
+            }
+            kernels = per_layer.pop() if len(per_layer) == 1 else None
+            self._kernels[rows] = None if kernels is None or None in kernels else kernels
+        return self._kernels[rows]
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the last layer's MLP output
+        cos: torch.Tensor,  # [rows, 1, head_dim]
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [rows] int64
+        block_tables: torch.Tensor,  # [rows, max_blocks] int32
+        context_lens: torch.Tensor,  # [rows] int32
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after every layer, as the layers' forward returns them; None where the
+        step is one these kernels do not take (the caller runs the layers)."""
+        rows = hidden.shape[0]
+        kernels = self.kernels(rows)
+        lib = library()
+        k_cache = kv_caches[0][0]
+        if (
+            kernels is None
+            or hidden.dtype != self.dtype
+            or not all(t.is_contiguous() for t in (hidden, cos, sin))
+            or k_cache.dtype != self.dtype
+            or slot_mapping.dtype != torch.int64
+            or not _attention_takes(lib, k_cache, kv_caches[0][1], self.shape.num_heads)
+        ):
+            return None
+        for struct, (k, v) in zip(self.structs, kv_caches, strict=True):
+            struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
+        shape = self.shape
+        shape.qkv_kernel, shape.o_kernel, shape.gate_up_kernel, shape.down_kernel = kernels
+        shape.num_blocks, shape.block_size = k_cache.shape[:2]
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        slots = slot_mapping.contiguous()
+        residual = torch.empty_like(hidden)
+        status = lib.pagoda_decode_layers(
+            ctypes.byref(self.structs), len(self.structs), ctypes.byref(shape), hidden.data_ptr(), residual.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            rows, torch.get_num_threads(),
+        )  # fmt: skip
+        if status in (-2, -3):
+            raise IndexError("a block table entry or slot is outside the KV cache")
+        if status != 0:
+            raise RuntimeError(f"pagoda_decode_layers failed ({status})")
+        return hidden, residual

@@ -19,6 +19,7 @@ from pagoda.server.engine.layers.linear import MergedLinear, RowParallelLinear
 from pagoda.server.engine.layers.mlp import GatedMLP
 from pagoda.server.engine.layers.norm import RMSNorm
 from pagoda.server.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagoda.server.engine.models.native_decode import NativeDecode
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from pagoda.server.engine.parallel.sharding import LocalShape, Slice, local_shape, slice_of
 from torch import nn
@@ -167,6 +168,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, local) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.native_decode = NativeDecode(self)
 
     def forward(
         self,
@@ -177,9 +179,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)
+        native = self.native_decode(hidden, rope, attn_metadata, kv_caches)  # CPU decode steps
+        if native is not None:
+            hidden, residual = native
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)
         return self.norm(hidden, residual)[0]
 
 
