@@ -614,9 +614,16 @@ int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *
  * roundings: the result is the op-by-op one, bit for bit, without a Python dispatch per op (about
  * a fifth of a one-row step). Llama-family layers without q/k norms; the projections' kernels are
  * chosen by the caller (`linear_kernel` in cpu_native.py), one per projection. */
+struct projection {
+    const void *weight, *bias;
+    const uint8_t *nibbles; /* the 4-bit copy (LINEAR_INT4), if any */
+    const float *scales, *mins;
+    int64_t group;
+};
+
 struct decoder_layer {
-    const void *input_norm, *qkv_weight, *qkv_bias, *o_weight, *o_bias, *post_norm;
-    const void *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    const void *input_norm, *post_norm;
+    struct projection qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     int64_t sliding_window; /* 0: full attention */
 };
@@ -627,19 +634,24 @@ struct decoder_shape {
     float eps, scale;
 };
 
-enum { LINEAR_DOT = 0, LINEAR_AMX = 1 };
+enum { LINEAR_DOT = 0, LINEAR_AMX = 1, LINEAR_INT4 = 2 };
+
+int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
+                       void *y, int M, int N, int K, int group, int dtype, int num_threads);
 
 #if defined(__AVX512F__)
-int pagoda_has_decode_layers(void) { return 1; }
+int pagoda_has_avx512(void) { return 1; }
 #else
-int pagoda_has_decode_layers(void) { return 0; } /* SiLU x up is AVX-512 only */
+int pagoda_has_avx512(void) { return 0; } /* SiLU x up and the 4-bit kernel are AVX-512 only */
 #endif
 
-static int run_linear(int kernel, int dtype, const void *x, const void *w, const void *bias, void *y, int M, int N,
-                      int K, int num_threads) {
-    if (kernel == LINEAR_AMX) return pagoda_linear_bf16_amx(x, w, bias, y, M, N, K, num_threads);
-    return dtype == DTYPE_BF16 ? pagoda_linear_bf16(x, w, bias, y, M, N, K, num_threads)
-                               : pagoda_linear_f32(x, w, bias, y, M, N, K, num_threads);
+static int run_linear(int kernel, int dtype, const void *x, const struct projection *p, void *y, int M, int N, int K,
+                      int num_threads) {
+    if (kernel == LINEAR_INT4)
+        return pagoda_linear_int4(x, p->nibbles, p->scales, p->mins, p->bias, y, M, N, K, (int)p->group, dtype, num_threads);
+    if (kernel == LINEAR_AMX) return pagoda_linear_bf16_amx(x, p->weight, p->bias, y, M, N, K, num_threads);
+    return dtype == DTYPE_BF16 ? pagoda_linear_bf16(x, p->weight, p->bias, y, M, N, K, num_threads)
+                               : pagoda_linear_f32(x, p->weight, p->bias, y, M, N, K, num_threads);
 }
 
 /* x * cos + rotate_half(x) * sin for each head of a token, in place, rounded after each op as torch's
@@ -694,7 +706,7 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
         } else {
             pagoda_rms_norm(hidden, residual, residual, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
         }
-        status |= run_linear(s->qkv_kernel, dtype, normed, L->qkv_weight, L->qkv_bias, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
+        status |= run_linear(s->qkv_kernel, dtype, normed, &L->qkv, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
         for (int r = 0; r < rows; r++) { /* q and k heads rotate together: they are side by side */
             rotate(qkv_or_gate_up, (int64_t)r * qkv_size, s->num_heads + s->num_kv_heads, hd, cos32 + (int64_t)r * hd,
                    sin32 + (int64_t)r * hd, dtype);
@@ -711,14 +723,119 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
             status = attended;
             break;
         }
-        status |= run_linear(s->o_kernel, dtype, attended_or_act, L->o_weight, L->o_bias, hidden, rows, s->hidden, q_size, num_threads);
+        status |= run_linear(s->o_kernel, dtype, attended_or_act, &L->o, hidden, rows, s->hidden, q_size, num_threads);
         pagoda_rms_norm(hidden, residual, residual, L->post_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
-        status |= run_linear(s->gate_up_kernel, dtype, normed, L->gate_up_weight, L->gate_up_bias, qkv_or_gate_up, rows,
+        status |= run_linear(s->gate_up_kernel, dtype, normed, &L->gate_up, qkv_or_gate_up, rows,
                              2 * s->intermediate, s->hidden, num_threads);
         status |= pagoda_silu_mul(qkv_or_gate_up, attended_or_act, rows, s->intermediate, dtype, num_threads);
-        status |= run_linear(s->down_kernel, dtype, attended_or_act, L->down_weight, L->down_bias, hidden, rows, s->hidden,
+        status |= run_linear(s->down_kernel, dtype, attended_or_act, &L->down, hidden, rows, s->hidden,
                              s->intermediate, num_threads);
     }
     free(scratch);
     return status;
 }
+
+/* ---- y[M, N] = x W^T (+ bias) with W in 4-bit groups, for steps of a few rows ------------------
+ * W row n, group g of `group` inputs: w = q * scale + min, q in 0..15 (GGUF Q4_0/Q4_1 blocks are of
+ * this form). Nibbles: each 32 inputs are 16 bytes, byte j holding input j (low nibble) and j + 16
+ * (high), as GGUF stores them; scales and mins [N][K / group] fp32. y[n] = sum_g scale_g (q_g . x_g)
+ * + sum_g min_g sum(x_g): the sums of x per group are taken once per row, the second sum is a short
+ * dot product per output. The weights are read once per step at a quarter of bf16's bytes; the
+ * arithmetic is fp32. */
+#if defined(__AVX512F__)
+#define INT4_MAX_GROUPS 1024
+
+INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
+                      const void *bias, void *y, int K, int group, int ldy, int n0, const int MB, const int NB,
+                      const int dtype) {
+    __m512 acc[TILE][TILE];
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    const int groups = K / group, chunks = group / 32;
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int g = 0; g < groups; g++)
+        for (int n = 0; n < NB; n++) {
+            __m512 part[TILE];
+            for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const int k = g * group + 32 * c;
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + ((int64_t)n * K + k) / 2)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                for (int m = 0; m < MB; m++)
+                    part[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + (int64_t)m * K + k),
+                                              _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + (int64_t)m * K + k + 16), part[m]));
+            }
+            const __m512 scale = _mm512_set1_ps(scales[(int64_t)n * groups + g]);
+            for (int m = 0; m < MB; m++) acc[m][n] = _mm512_fmadd_ps(part[m], scale, acc[m][n]);
+        }
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) { /* the mins' part: sum_g min_g sum(x_g), 16 groups a step */
+            __m512 shift = _mm512_setzero_ps();
+            for (int g = 0; g < groups; g += 16) {
+                const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+                shift = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + (int64_t)n * groups + g),
+                                        _mm512_maskz_loadu_ps(mask, xsum + m * groups + g), shift);
+            }
+            acc[m][n] = _mm512_add_ps(acc[m][n], shift);
+        }
+    float sums[TILE][TILE];
+    TILE_SUMS(acc, sums, MB, NB)
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) {
+            float v = sums[m][n];
+            if (bias) v += dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + n]) : ((const float *)bias)[n0 + n];
+            if (dtype == DTYPE_BF16)
+                ((uint16_t *)y)[(int64_t)m * ldy + n0 + n] = f32_to_bf16(v);
+            else
+                ((float *)y)[(int64_t)m * ldy + n0 + n] = v;
+        }
+}
+
+int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
+                       void *y, int M, int N, int K, int group, int dtype, int num_threads) {
+    if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
+    const int groups = K / group;
+    float *x32 = malloc((size_t)M * (K + groups) * sizeof(float)); /* fp32 rows, then their group sums */
+    if (!x32) return -1;
+    float *xsum = x32 + (size_t)M * K;
+    for (int m = 0; m < M; m++) {
+        load_f32(x, (int64_t)m * K, dtype, x32 + (int64_t)m * K, K);
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < group; i++) s += x32[(int64_t)m * K + g * group + i];
+            xsum[m * groups + g] = s;
+        }
+    }
+    const int tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int tile = 0; tile < tiles; tile++) {
+        const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;
+        const uint8_t *qn = q + (int64_t)n0 * K / 2;
+        const float *sn = scales + (int64_t)n0 * groups, *mn = mins + (int64_t)n0 * groups;
+        for (int m0 = 0; m0 < M; m0 += TILE) {
+            const int MB = M - m0 < TILE ? M - m0 : TILE;
+            const float *xm = x32 + (int64_t)m0 * K, *sm = xsum + m0 * groups;
+            void *ym = (char *)y + (int64_t)m0 * N * (dtype == DTYPE_BF16 ? 2 : 4);
+#define INT4_CASE(mb, nb)                                                                                   \
+    case (mb) * 8 + (nb):                                                                                   \
+        if (dtype == DTYPE_BF16) int4_tile(xm, qn, sn, mn, sm, bias, ym, K, group, N, n0, mb, nb, DTYPE_BF16); \
+        else int4_tile(xm, qn, sn, mn, sm, bias, ym, K, group, N, n0, mb, nb, DTYPE_F32);                    \
+        break;
+            switch (MB * 8 + NB) {
+                INT4_CASE(1, 1) INT4_CASE(1, 2) INT4_CASE(1, 3) INT4_CASE(1, 4)
+                INT4_CASE(2, 1) INT4_CASE(2, 2) INT4_CASE(2, 3) INT4_CASE(2, 4)
+                INT4_CASE(3, 1) INT4_CASE(3, 2) INT4_CASE(3, 3) INT4_CASE(3, 4)
+                INT4_CASE(4, 1) INT4_CASE(4, 2) INT4_CASE(4, 3) INT4_CASE(4, 4)
+            }
+        }
+    }
+    free(x32);
+    return 0;
+}
+#else
+int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
+                       void *y, int M, int N, int K, int group, int dtype, int num_threads) {
+    return -1;
+}
+#endif

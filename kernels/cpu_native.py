@@ -101,6 +101,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
+    lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
     lib.max_head_dim, lib.max_group = lib.pagoda_max_head_dim(), lib.pagoda_max_group()
     return lib
@@ -192,7 +193,13 @@ def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
     return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else 64
 
 
-LINEAR_DOT, LINEAR_AMX = 0, 1  # cpu_native.c's kernels for a projection
+LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
+
+
+def has_avx512() -> bool:
+    """The AVX-512 kernels (SiLU x up, 4-bit linear, the fused decode layers) are built here."""
+    lib = library()
+    return lib is not None and lib.pagoda_has_avx512() == 1
 
 
 def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> int | None:
@@ -229,6 +236,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     y = torch.empty(num_rows, out_features, dtype=x.dtype)
     status = run(rows.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
                  num_rows, out_features, in_features, torch.get_num_threads())  # fmt: skip
+    return y.view(*x.shape[:-1], out_features) if status == 0 else None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in 0..15 -> [out, in / 2] bytes, each 32 inputs as 16 bytes: input j in the low
+    nibble of byte j, input j + 16 in its high one (GGUF's Q4 block layout)."""
+    out_features, in_features = q.shape
+    chunks = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def int4_linear(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """x [..., K] @ Wᵀ (+ bias) for W = q * scale + min in groups of `group` inputs (`pack_int4`'s
+    nibbles; scales, mins [N, K / group] fp32), in x's dtype; None where the kernel does not run."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or not has_avx512():
+        return None
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return None
+    out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
+    rows = x.reshape(-1, in_features).contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    status = library().pagoda_linear_int4(
+        rows.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), mins.data_ptr(), _ptr(bias), y.data_ptr(), rows.shape[0],
+        out_features, in_features, group, DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
     return y.view(*x.shape[:-1], out_features) if status == 0 else None
 
 
@@ -293,28 +332,62 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:
 
 
 @dataclass(frozen=True)
+class Projection:
+    """A projection as the native kernels read it: the dense weight, and the 4-bit copy that runs
+    instead for steps of up to `low_bit_rows` rows (`nibbles` None: that copy is not one these
+    kernels read, so such steps are not theirs)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    low_bit_rows: int = 0
+    nibbles: torch.Tensor | None = None  # `pack_int4`
+    scales: torch.Tensor | None = None  # [N, K / group] fp32
+    mins: torch.Tensor | None = None
+    group: int = 0
+
+    def kernel(self, rows: int) -> int | None:
+        if rows <= self.low_bit_rows:
+            return LINEAR_INT4 if self.nibbles is not None else None
+        return linear_kernel(self.weight, self.bias, rows)
+
+
+@dataclass(frozen=True)
 class DecoderLayerWeights:
-    """One Llama-family decoder layer's tensors as `DecodeLayers` reads them: (weight, bias) of each
-    projection, q/k/v and gate/up stacked as the model holds them; no q/k norms."""
+    """One Llama-family decoder layer's tensors as `DecodeLayers` reads them (q/k/v and gate/up
+    stacked as the model holds them; no q/k norms)."""
 
     input_norm: torch.Tensor
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: Projection
+    down: Projection
     sliding_window: int | None
 
-    def projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+    def projections(self) -> tuple[Projection, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
 
-_POINTERS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm", "gate_up_weight",
-             "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache")  # fmt: skip
+class _Projection(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("weight", "bias", "nibbles", "scales", "mins")] + [
+        ("group", ctypes.c_int64)
+    ]
+
+    def point_at(self, projection: Projection) -> None:
+        self.weight, self.bias = projection.weight.data_ptr(), _ptr(projection.bias)
+        self.nibbles, self.scales, self.mins = (_ptr(t) for t in (projection.nibbles, projection.scales, projection.mins))
+        self.group = projection.group
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [("sliding_window", ctypes.c_int64)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        *((name, _Projection) for name in ("qkv", "o", "gate_up", "down")),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("sliding_window", ctypes.c_int64),
+    ]
 
 
 class _Shape(ctypes.Structure):
@@ -341,33 +414,24 @@ class DecodeLayers:
             hidden=hidden,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=first.o[0].shape[1] // num_heads,
-            intermediate=first.down[0].shape[1],
+            head_dim=first.o.weight.shape[1] // num_heads,
+            intermediate=first.down.weight.shape[1],
             dtype=DTYPES[self.dtype],
             eps=eps,
             scale=scale,
         )
         self.structs = (_Layer * len(layers))()
         for struct, layer in zip(self.structs, layers, strict=True):
-            for name, (weight, bias) in zip(("qkv", "o", "gate_up", "down"), layer.projections(), strict=True):
-                setattr(struct, f"{name}_weight", weight.data_ptr())
-                setattr(struct, f"{name}_bias", _ptr(bias))
+            for name, projection in zip(("qkv", "o", "gate_up", "down"), layer.projections(), strict=True):
+                getattr(struct, name).point_at(projection)
             struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             struct.sliding_window = layer.sliding_window or 0
         self._kernels: dict[int, tuple[int, int, int, int] | None] = {}
 
-    @staticmethod
-    def available() -> bool:
-        lib = library()
-        return lib is not None and lib.pagoda_has_decode_layers() == 1
-
     def kernels(self, rows: int) -> tuple[int, int, int, int] | None:
-        """The native kernel of each projection at `rows` rows; None if torch's GEMM would run one."""
+        """The native kernel of each projection at `rows` rows; None if another would run one."""
         if rows not in self._kernels:
-            per_layer = {
-                tuple(linear_kernel(weight, bias, rows) for weight, bias in layer.projections())
-                for layer in self.weights
-            }
+            per_layer = {tuple(p.kernel(rows) for p in layer.projections()) for layer in self.weights}
             kernels = per_layer.pop() if len(per_layer) == 1 else None
             self._kernels[rows] = None if kernels is None or None in kernels else kernels
         return self._kernels[rows]

@@ -84,6 +84,23 @@ def test_linear_declines_many_rows_and_other_devices():
     assert cpu_native.linear(torch.randn(2, 64, dtype=torch.float16), weight.half(), None) is None
 
 
+@pytest.mark.skipif(not cpu_native.has_avx512(), reason="the 4-bit kernel is AVX-512 only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize(("out_features", "in_features", "group"), [(100, 576, 32), (7, 256, 64), (64, 512, 256)])
+def test_int4_linear_matches_the_dequantized_weight(dtype, rows, out_features, in_features, group, generator):
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    scales = torch.rand(out_features, in_features // group, generator=generator) * 0.1
+    mins = torch.randn(out_features, in_features // group, generator=generator) * 0.1
+    dense = q * scales.repeat_interleave(group, 1) + mins.repeat_interleave(group, 1)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    y = cpu_native.int4_linear(x, cpu_native.pack_int4(q), scales, mins, group, bias)
+    expected = F.linear(x.float(), dense, bias.float())
+    assert y.dtype == dtype and y.shape == (rows, out_features)
+    assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_and_without_residual_matches_torch(dtype, generator):
     x = torch.randn(5, 576, generator=generator).to(dtype)

@@ -1,6 +1,7 @@
 """Decode steps in one native call (`models/native_decode.py`) give the op-by-op layers' results bit for
 bit: every position's logits and every KV cache entry, over a schedule of prefill, mixed and decode
-steps, in fp32 and bf16, for each tiny family (qwen3's q/k norms run op by op)."""
+steps, in fp32 and bf16, for each tiny family (qwen3's q/k norms run op by op), with dense and with
+4-bit weights."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import torch
 from models_paged_harness import PagedHarness, run_schedule, schedule_token_counts
 from pagoda.kernels import cpu_native
 from pagoda.server.engine.attention_metadata import AttentionMetadata
+from pagoda.server.engine.layers.linear import Linear
+from pagoda.server.engine.layers.quantized import Int4Weight
 from pagoda.server.engine.loader import load_model
 
 pytestmark = pytest.mark.skipif(
-    not cpu_native.DecodeLayers.available(), reason="the native decode layers need AVX-512 and a C compiler"
+    not cpu_native.has_avx512(), reason="the native decode layers need AVX-512 and a C compiler"
 )
 
 
 def _sequences(vocab_size: int) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return {seq: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for seq, n in schedule_token_counts().items()}
+    return {
+        seq: torch.randint(0, vocab_size, (n,), generator=gen).tolist()
+        for seq, n in schedule_token_counts().items()
+    }
 
 
 def _run(model, sequences, native: bool):
@@ -69,3 +75,36 @@ def test_a_slot_outside_the_cache_is_an_index_error(tiny_llama_dir):
     with pytest.raises(IndexError):
         model(torch.tensor([5]), torch.tensor([3]), meta, harness.kv_caches)
     assert model.model.native_decode._layers() is not None  # the native call raised it, not the layers
+
+
+def _quantize_to_int4(model) -> None:
+    """Every projection gets a random 4-bit copy (groups of 32): at few rows it runs instead of the
+    dense weight, through the same native kernel op by op and in the one call."""
+    gen = torch.Generator().manual_seed(2)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            out_features, in_features = module.weight.shape
+            q = torch.randint(0, 16, (out_features, in_features), generator=gen)
+            scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.1
+            zeros = torch.randn(out_features, in_features // 32, generator=gen) * 0.1
+            module.quantize(Int4Weight(q, scales, zeros, module.weight.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_with_4_bit_weights_equals_the_layers(tiny_llama3_dir, dtype, monkeypatch):
+    model = load_model(tiny_llama3_dir, dtype=dtype).model
+    _quantize_to_int4(model.model.layers)
+    int4_calls = []
+    original = cpu_native.int4_linear
+    monkeypatch.setattr(cpu_native, "int4_linear", lambda *a: int4_calls.append(1) or original(*a))
+    sequences = _sequences(model.vocab_size)
+    expected, expected_caches = _run(model, sequences, native=False)
+    assert int4_calls  # op by op, the few-row steps ran the 4-bit copies
+    int4_calls.clear()
+    actual, caches = _run(model, sequences, native=True)
+    assert not int4_calls  # every few-row step of the schedule ran in the one call, its 4-bit copies too
+    for seq, chunks in expected.items():
+        for (start, want), (_, got) in zip(chunks, actual[seq], strict=True):
+            assert torch.equal(got, want), f"{seq}@{start}"
+    for (k, v), (k_want, v_want) in zip(caches, expected_caches, strict=True):
+        assert torch.equal(k, k_want) and torch.equal(v, v_want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagoda.kernels import cpu_native
 from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 from pagoda.server.engine.layers.linear import Linear
 from pagoda.server.engine.layers.quantized import FEW_ROWS, Int4Weight, Int8Weight
@@ -39,11 +40,15 @@ def test_q8_lm_head_int8_copy_is_within_half_a_step(smollm2_fp32):
     assert bool((error <= head.low_bit.scales.float()[:, None] / 2 + 1e-7).all())
 
 
-def test_int4_matmul_matches_its_dense_weight():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_int4_matmul_matches_its_dense_weight(native, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (96, 128), generator=gen)
     scales, zeros = torch.rand(96, 4, generator=gen) / 10, torch.randn(96, 4, generator=gen) / 10
+    if not native:  # a CPU without AVX-512: torch's weight-only int4 kernel
+        monkeypatch.setattr(cpu_native, "has_avx512", lambda: False)
     weight = Int4Weight(q, scales, zeros, torch.float32)
+    assert (weight.nibbles is not None) == (native and cpu_native.has_avx512())
     dense = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
     assert torch.allclose(weight.dequantize(), dense, atol=1e-6)
     x = torch.randn(3, 128, generator=gen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pagoda.kernels import cpu_native
-from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight, few_rows
+from pagoda.server.engine.layers.quantized import FEW_ROWS, Int4Weight, Int8Weight, few_rows
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 from torch import nn
 
@@ -36,6 +36,22 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.low_bit)
+
+    def native_projection(self) -> cpu_native.Projection:
+        """This layer as the fused native decode layers read it: what `project` runs, by rows."""
+        low_bit = self.low_bit
+        if low_bit is None:
+            return cpu_native.Projection(self.weight, self.bias)
+        int4 = isinstance(low_bit, Int4Weight) and low_bit.nibbles is not None
+        return cpu_native.Projection(
+            self.weight,
+            self.bias,
+            low_bit_rows=FEW_ROWS,
+            nibbles=low_bit.nibbles if int4 else None,
+            scales=low_bit.scales if int4 else None,
+            mins=low_bit.mins if int4 else None,
+            group=low_bit.group_size if int4 else 0,
+        )
 
 
 def project(

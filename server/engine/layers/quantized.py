@@ -17,6 +17,7 @@ GGUF's Q8_0 embedding / LM head, whose 32-weight block scales the int8 kernel ca
 from __future__ import annotations
 
 import torch
+from pagoda.kernels import cpu_native
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
@@ -39,24 +40,39 @@ class Int4Weight(nn.Module):
         self.group_size = self.in_features // scales.shape[1]
         if self.group_size not in GROUP_SIZES or self.group_size * scales.shape[1] != self.in_features:
             raise ValueError(f"int4 groups of {self.in_features / scales.shape[1]} weights are not supported")
+        self.dtype = dtype
+        if cpu_native.has_avx512():  # the native kernel: GGUF's nibble layout, fp32 scales and mins
+            self.register_buffer("nibbles", cpu_native.pack_int4(q))
+            self.register_buffer("scales", scales.float().contiguous())
+            self.register_buffer("mins", (zeros - 8 * scales).float().contiguous())  # w = q * scale + min
+            self._torch_layout = None
+        else:
+            self.nibbles = self.scales = self.mins = None
+            self._torch_layout = self._pack_for_torch(q, scales, zeros)
+
+    def _pack_for_torch(self, q, scales, zeros) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's weight-only int4 layout: packed q and [in / group_size, out, 2] scales and zeros."""
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed", packed)
-        # [in / group_size, out, 2]: the layout the kernel reads.
-        self.register_buffer(
-            "scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-        )
+        return packed, torch.stack([scales.t(), zeros.t()], dim=-1).to(self.dtype).contiguous()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.nibbles is not None:
+            y = cpu_native.int4_linear(x, self.nibbles, self.scales, self.mins, self.group_size, bias)
+            if y is not None:
+                return y
+        if self._torch_layout is None:  # an input the native kernel does not take: torch's, from the nibbles
+            nibbles = self.nibbles.view(self.out_features, -1, 1, 16)
+            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(self.out_features, self.in_features)
+            self._torch_layout = self._pack_for_torch(q, self.scales, self.mins + 8 * self.scales)
+        packed, scales_and_zeros = self._torch_layout
         rows = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.packed, self.group_size, self.scales_and_zeros
-        )
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
         """The dense [out, in] weight these groups stand for (tests, and the accuracy measurements)."""
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        eye = torch.eye(self.in_features, dtype=self.dtype)
         return self.matmul(eye, None).t()
 
 

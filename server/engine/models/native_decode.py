@@ -4,8 +4,9 @@ A one-row decode step runs about 400 small ops through Python; each costs a few 
 dispatch, a fifth of the step on two cores. `cpu_native.DecodeLayers` runs the same kernels in the
 same order from C, so its result is the op-by-op one bit for bit (tests compare the two). It takes
 steps of decode tokens only, on the native CPU attention backend, for layers without q/k norms,
-without tensor parallelism, at row counts where every projection runs on a native kernel (not a
-low-bit copy or torch's GEMM); anything else runs the layers as they are.
+without tensor parallelism, at row counts where every projection runs on a native kernel (dense,
+or the 4-bit GGUF copy at few rows; not torch's GEMM or its low-bit kernels); anything else runs
+the layers as they are.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pagoda.kernels import cpu_native
 from pagoda.kernels.cpu_backend import CpuBackend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.layers.linear import Linear
-from pagoda.server.engine.layers.quantized import FEW_ROWS
 
 if TYPE_CHECKING:
     from pagoda.server.engine.models.llama import LlamaModel
@@ -47,21 +47,19 @@ class NativeDecode:
         if not (self.enabled and decode_only and hidden.device.type == "cpu"):
             return None
         layers = self._layers()
-        if layers is None or (rows <= FEW_ROWS and self._has_low_bit()):
-            return None  # the low-bit copies win at few rows (layers/quantized.py)
+        if layers is None:
+            return None
         cos, sin = rope
         return layers(
             hidden, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, kv_caches
         )
 
-    def _has_low_bit(self) -> bool:
-        return any(linear.low_bit is not None for linear in self._linears)
-
     def _layers(self) -> cpu_native.DecodeLayers | None:
-        """Built once per attention backend (tests swap them)."""
+        """Built once per attention backend and set of low-bit weights (tests swap both)."""
         backends = tuple(layer.self_attn.attn.backend for layer in self.model.layers)
-        if self._built is None or self._built[0] != tuple(map(id, backends)):
-            self._built = (tuple(map(id, backends)), self._build(backends))
+        key = (*map(id, backends), *(id(linear.low_bit) for linear in self._linears))
+        if self._built is None or self._built[0] != key:
+            self._built = (key, self._build(backends))
         return self._built[1]
 
     def _build(self, backends) -> cpu_native.DecodeLayers | None:
@@ -72,18 +70,18 @@ class NativeDecode:
             and first.o_proj.tp.size == 1
             and first.qkv_proj.weight.dtype in cpu_native.DTYPES
             and first.qkv_proj.weight.device.type == "cpu"
-            and cpu_native.DecodeLayers.available()
+            and cpu_native.has_avx512()
         )
         if not eligible:
             return None
         weights = [
             cpu_native.DecoderLayerWeights(
                 input_norm=layer.input_layernorm.weight,
-                qkv=(layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias),
-                o=(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias),
+                qkv=layer.self_attn.qkv_proj.native_projection(),
+                o=layer.self_attn.o_proj.native_projection(),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=(layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias),
-                down=(layer.mlp.down_proj.weight, layer.mlp.down_proj.bias),
+                gate_up=layer.mlp.gate_up_proj.native_projection(),
+                down=layer.mlp.down_proj.native_projection(),
                 sliding_window=layer.self_attn.attn.sliding_window,
             )
             for layer in self.model.layers
