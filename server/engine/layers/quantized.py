@@ -21,9 +21,10 @@ from pagoda.kernels import cpu_native
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
-# Rows up to which the low-bit kernels beat a dense bf16 GEMM (measured on SmolLM2's shapes, 2 AVX512-BF16
-# cores: int4 3-5x at 1 row, even at 4-6 rows, 0.5x at 8; int8 2.5x at 1 row): docs/benchmarks.md.
-FEW_ROWS = 4
+# Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
+# native kernels both sides: int4 ~1.8x at 1 row, ~1.3x at 2, even at 3, 0.7x at 4; the LM head's
+# int8 copy (torch's kernel) 1.15x at 1 row, even at 2): docs/benchmarks.md.
+FEW_ROWS = 2
 
 
 def few_rows(x: torch.Tensor, in_features: int) -> bool:
