@@ -6,7 +6,10 @@
    backend with torch's fused attention vs its native kernel, median µs per call.
 2. Every projection of the model once (30 layers of distinct weights + the LM head, as one decode
    step reads them): torch's GEMM vs the native few-row kernels, ms and GB/s of weights read.
-3. The engine's decode step on the embedded model (dense weights, 60-token prompts, greedy), each in its own
+3. The layers' projections in 4 bits (GGUF Q4 groups of 32, the native kernel) against the dense
+   bf16 kernels, at 1-4 rows, and the LM head's int8 copy against its bf16 weight: where the low-bit
+   copies stop paying (`FEW_ROWS`, server/engine/layers/quantized.py).
+4. The engine's decode step on the embedded model (dense weights, 60-token prompts, greedy), each in its own
    process: PAGODA_NATIVE_KERNELS=0 vs on, median ms of the model step.
 Both dtypes; nothing else should run on the machine.
 """
@@ -77,6 +80,34 @@ def projection_rows(dtype: torch.dtype) -> list[str]:
     return rows
 
 
+def low_bit_rows() -> list[str]:
+    from pagoda.server.engine.layers.linear import project
+    from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight
+
+    generator = torch.Generator().manual_seed(0)
+    dense = [torch.randn(*shape, generator=generator).to(torch.bfloat16) for _ in range(30) for shape in SHAPES]
+    low_bit = []
+    for weight in dense:
+        out_features, in_features = weight.shape
+        q = torch.randint(0, 16, (out_features, in_features), generator=generator)
+        scales, zeros = torch.rand(out_features, in_features // 32) / 100, torch.randn(out_features, in_features // 32) / 100
+        low_bit.append(Int4Weight(q, scales, zeros, torch.bfloat16))
+    head = torch.randn(*HEAD, generator=generator).to(torch.bfloat16)
+    head_int8 = Int8Weight(head, torch.bfloat16)
+    rows = []
+    for num_rows in (1, 2, 3, 4):
+        inputs = {k: torch.randn(num_rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        dense_s = median_s(lambda x=inputs: [project(x[w.shape[1]], w, None, None) for w in dense], 7)
+        int4_s = median_s(lambda x=inputs: [q.matmul(x[q.in_features], None) for q in low_bit], 7)
+        head_s = median_s(lambda x=inputs: project(x[576], head, None, None), 7)
+        int8_s = median_s(lambda x=inputs: head_int8.matmul(x[576], None), 7)
+        rows.append(
+            f"| {num_rows} | {dense_s * 1e3:.1f} | {int4_s * 1e3:.1f} ({dense_s / int4_s:.2f}x) | "
+            f"{head_s * 1e3:.2f} | {int8_s * 1e3:.2f} ({head_s / int8_s:.2f}x) |"
+        )
+    return rows
+
+
 STEP_PROBE = """
 import json, random, sys, time
 from pagoda.server.engine.llm import LLM
@@ -130,6 +161,8 @@ def main() -> None:
     print("\n| dtype | rows | torch ms | native ms | speed-up |\n|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         print("\n".join(projection_rows(dtype)))
+    print("\n| rows | layers bf16 ms | layers int4 ms | LM head bf16 ms | LM head int8 ms |\n|---|---|---|---|---|")
+    print("\n".join(low_bit_rows()))
     print("\n| dtype | decode rows | step ms, torch only | step ms, native | speed-up |\n|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         print("\n".join(engine_rows(dtype)))

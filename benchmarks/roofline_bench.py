@@ -1,7 +1,7 @@
-"""Where SmolLM2-135M's steps sit on this machine's roofline: achieved bandwidth at batch 1 (decode)
-and at batch 32, achieved FLOP/s at a large prefill, next to the peaks the start-up probe measured.
+"""Where SmolLM2-135M's steps sit on this machine's roofline: achieved bandwidth and FLOP/s of decode
+steps at batch 1, 16 and 64 and of a large prefill, next to the peaks the start-up probe measured.
 
-    .venv/bin/python benchmarks/roofline_bench.py [--dtype float32] [--decode-tokens 64]
+    .venv/bin/python benchmarks/roofline_bench.py [--dtypes bfloat16,float32] [--decode-tokens 32]
 
 The numbers are the engine's own (`LLMEngine.roofline`, formulas in docs/metrics.md): each step's
 bytes and FLOPs from the model and the step's shape, over the step's wall time.
@@ -38,22 +38,23 @@ def describe(label: str, steps: list) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--decode-tokens", type=int, default=32)
     args = parser.parse_args()
-    llm = LLM(dtype=args.dtype, device="cpu", kv_cache_memory=1 << 30, max_model_len=4096)
-    peaks = llm.engine.roofline.peaks
-    print(f"probe peaks: {peaks.bytes_per_s / 1e9:.2f} GB/s, {peaks.flops_per_s / 1e9:.2f} GFLOP/s "
-          f"({args.dtype}); ridge {peaks.ridge_intensity:.1f} FLOP/B")  # fmt: skip
-    prompt = [1 + (i * 7919) % 40000 for i in range(32)]
-    decode_1 = run(llm, [prompt], args.decode_tokens)[1:]  # the prefill step is the first
-    print(describe("decode, batch 1", decode_1))
-    batch = [[t + j for t in prompt] for j in range(32)]
-    decode_32 = run(llm, batch, args.decode_tokens)[1:]
-    print(describe("decode, batch 32", decode_32))
-    long_prompt = [1 + (i * 104729) % 40000 for i in range(2047)]
-    prefill = run(llm, [long_prompt], 1)[:1]
-    print(describe("prefill, 2047 tokens", prefill))
+    for dtype in args.dtypes.split(","):
+        # dense weights: the roofline of the dtype, not of the GGUF's low-bit copies
+        llm = LLM(dtype=dtype, device="cpu", quantization="none", kv_cache_memory=1 << 30, max_model_len=4096)
+        peaks = llm.engine.roofline.peaks
+        print(f"\n{dtype}: probe peaks {peaks.bytes_per_s / 1e9:.2f} GB/s, {peaks.flops_per_s / 1e9:.2f} GFLOP/s; "
+              f"ridge {peaks.ridge_intensity:.1f} FLOP/B")  # fmt: skip
+        prompt = [1 + (i * 7919) % 40000 for i in range(32)]
+        for batch in (1, 16, 64):
+            prompts = [[t + j for t in prompt] for j in range(batch)]
+            steps = run(llm, prompts, args.decode_tokens)
+            print(describe(f"decode, batch {batch}", [s for s in steps if s.tokens == batch]))
+        long_prompt = [1 + (i * 104729) % 40000 for i in range(2047)]
+        prefill = run(llm, [long_prompt], 1)[:1]
+        print(describe("prefill, 2047 tokens", prefill))
 
 
 if __name__ == "__main__":
