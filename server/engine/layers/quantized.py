@@ -22,8 +22,8 @@ from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
 # Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
-# native kernels both sides: int4 ~1.8x at 1 row, ~1.3x at 2, even at 3, 0.7x at 4; the LM head's
-# int8 copy (torch's kernel) 1.15x at 1 row, even at 2): docs/benchmarks.md.
+# native kernels both sides: int4 1.35x at 1 row, 1.06x at 2, 0.88x at 3, 0.72x at 4; the LM head's
+# int8 copy, torch's kernel, about the same): docs/benchmarks.md.
 FEW_ROWS = 2
 
 

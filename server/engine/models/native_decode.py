@@ -29,6 +29,7 @@ class NativeDecode:
         self.enabled = True  # False: always the layers op by op (tests compare the two)
         self._built: tuple[tuple, cpu_native.DecodeLayers | None] | None = None
         self._linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        self._attentions = [layer.self_attn.attn for layer in model.layers]
 
     def __call__(
         self,
@@ -55,9 +56,11 @@ class NativeDecode:
         )
 
     def _layers(self) -> cpu_native.DecodeLayers | None:
-        """Built once per attention backend and set of low-bit weights (tests swap both)."""
-        backends = tuple(layer.self_attn.attn.backend for layer in self.model.layers)
-        key = (*map(id, backends), *(id(linear.low_bit) for linear in self._linears))
+        """Built once per attention backend, set of low-bit weights and weight storage (tests swap the
+        first two; a model moved or cast gets new tensors, whose addresses the call must read anew)."""
+        backends = tuple(attention.backend for attention in self._attentions)
+        storage = (self._linears[0].weight.data_ptr(), self._linears[-1].weight.data_ptr())
+        key = (*map(id, backends), *(id(linear.low_bit) for linear in self._linears), *storage)
         if self._built is None or self._built[0] != key:
             self._built = (key, self._build(backends))
         return self._built[1]
