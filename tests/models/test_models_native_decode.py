@@ -108,3 +108,14 @@ def test_native_decode_with_4_bit_weights_equals_the_layers(tiny_llama3_dir, dty
             assert torch.equal(got, want), f"{seq}@{start}"
     for (k, v), (k_want, v_want) in zip(caches, expected_caches, strict=True):
         assert torch.equal(k, k_want) and torch.equal(v, v_want)
+
+
+def test_a_cast_model_gets_its_new_weights_addresses(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, dtype="float32").model
+    PagedHarness(model, block_size=8, num_blocks=4, seed=0)  # hands the layers the native backend
+    native = model.model.native_decode
+    before = native._layers()
+    model.to(torch.bfloat16)  # new tensors: the old addresses are freed
+    after = native._layers()
+    assert after is not before and after.dtype == torch.bfloat16
+    assert after.structs[0].qkv.weight == model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
