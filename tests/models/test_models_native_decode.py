@@ -50,11 +50,13 @@ def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, monkey
     expected, expected_caches = _run(model, sequences, native=False)
     assert not calls
     actual, caches = _run(model, sequences, native=True)
-    if family == "qwen3":  # q/k norms: not a layer the native call takes
-        assert not calls
+    # Every decode-only step of the schedule (4 of 7, of 2 and 4 rows) runs natively where this CPU has
+    # the dtype's few-row kernels; Qwen3's q/k norms are not a layer the native call takes.
+    takes = model.model.layers[0].self_attn.qkv_proj.native_projection().kernel(4) is not None
+    if family == "qwen3" or not takes:
+        assert not any(calls)
     else:
-        assert calls and all(calls)  # every decode-only step of the schedule (4 of 7)
-        assert len(calls) == 4
+        assert len(calls) == 4 and all(calls)
     for seq, chunks in expected.items():
         for (start, want), (got_start, got) in zip(chunks, actual[seq], strict=True):
             assert start == got_start and torch.equal(got, want), f"{family} {seq}@{start}"
