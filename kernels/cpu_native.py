@@ -247,6 +247,15 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
 
 
+def _int4_layout(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> bool:
+    """The tensors are what the 4-bit kernel reads (a module cast to another dtype casts its scales)."""
+    return (
+        nibbles.dtype == torch.uint8
+        and scales.dtype == mins.dtype == torch.float32
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (nibbles, scales, mins))
+    )
+
+
 def int4_linear(
     x: torch.Tensor,
     nibbles: torch.Tensor,
@@ -257,7 +266,7 @@ def int4_linear(
 ) -> torch.Tensor | None:
     """x [..., K] @ Wᵀ (+ bias) for W = q * scale + min in groups of `group` inputs (`pack_int4`'s
     nibbles; scales, mins [N, K / group] fp32), in x's dtype; None where the kernel does not run."""
-    if x.device.type != "cpu" or x.dtype not in DTYPES or not has_avx512():
+    if x.device.type != "cpu" or x.dtype not in DTYPES or not _int4_layout(nibbles, scales, mins) or not has_avx512():
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
@@ -347,7 +356,8 @@ class Projection:
 
     def kernel(self, rows: int) -> int | None:
         if rows <= self.low_bit_rows:
-            return LINEAR_INT4 if self.nibbles is not None else None
+            native = self.nibbles is not None and _int4_layout(self.nibbles, self.scales, self.mins)
+            return LINEAR_INT4 if native else None
         return linear_kernel(self.weight, self.bias, rows)
 
 

@@ -100,3 +100,20 @@ def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
         )
         agree, total = agree + prefix, total + 16
     assert agree / total >= 0.5, f"greedy tokens agree only {agree}/{total} before diverging"
+
+
+def test_a_cast_int4_weight_still_multiplies():
+    """Casting a module casts its buffers: bf16 scales are not what the native kernel reads, so torch's
+    kernel runs them (and the native decode layers decline the projection at few rows)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (64, 128), generator=gen)
+    scales, zeros = torch.rand(64, 4, generator=gen) / 10, torch.randn(64, 4, generator=gen) / 10
+    layer = Linear(128, 64, bias=False)
+    layer.quantize(Int4Weight(q, scales, zeros, torch.float32))
+    x = torch.randn(2, 128, generator=gen)
+    expected = layer.low_bit.matmul(x, None)
+    layer.to(torch.bfloat16)
+    got = layer.low_bit.matmul(x.bfloat16(), None)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max() <= 2**-6 * expected.abs().max()
+    assert layer.native_projection().kernel(1) is None

@@ -66,6 +66,9 @@ class Int4Weight(nn.Module):
             q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(self.out_features, self.in_features)
             self._torch_layout = self._pack_for_torch(q, self.scales, self.mins + 8 * self.scales)
         packed, scales_and_zeros = self._torch_layout
+        if scales_and_zeros.dtype != x.dtype:  # the kernel takes them in the activations' dtype
+            scales_and_zeros = scales_and_zeros.to(x.dtype)
+            self._torch_layout = packed, scales_and_zeros
         rows = x.reshape(-1, self.in_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
