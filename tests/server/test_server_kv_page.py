@@ -77,18 +77,26 @@ def page(pod, tmp_path_factory):
 
 
 def test_used_blocks_on_the_page_equal_the_metric_while_requests_run(pod, page):
-    done = in_background(*[(pod, f"{i} {PROMPT}", {"max_tokens": 200, "ignore_eos": True}) for i in range(3)])
     agreed = []
-    while not done.is_set():
-        started = time.time()
-        before = metric_value(pod, "pagoda_kv_cache_blocks_used")
-        taken, shown = page.evaluate(f"kv.refresh().then(s => [s.time, {USED_SHOWN}])")
-        after = metric_value(pod, "pagoda_kv_cache_blocks_used")
-        # no block changed hands around the page's read, and the page's snapshot is from this window
-        # (viewers share a snapshot for a few ms: kv_snapshot_cache.py)
-        if before == after and taken > started and not done.is_set():
-            assert shown == before, (shown, before)
-            agreed.append(shown)
+    # Waves of three requests until three reads agree while blocks are in use: the tiny model decodes
+    # fast enough that one wave can end within a few reads.
+    for wave in range(8):
+        done = in_background(
+            *[(pod, f"{wave} {i} {PROMPT}", {"max_tokens": 200, "ignore_eos": True}) for i in range(3)]
+        )
+        while not done.is_set():
+            started = time.time()
+            before = metric_value(pod, "pagoda_kv_cache_blocks_used")
+            taken, shown = page.evaluate(f"kv.refresh().then(s => [s.time, {USED_SHOWN}])")
+            after = metric_value(pod, "pagoda_kv_cache_blocks_used")
+            # no block changed hands around the page's read, and the page's snapshot is from this window
+            # (viewers share a snapshot for a few ms: kv_snapshot_cache.py)
+            if before == after and taken > started and not done.is_set():
+                assert shown == before, (shown, before)
+                agreed.append(shown)
+        done.wait()
+        if len([n for n in agreed if n > 0]) >= 3:
+            break
     assert len([n for n in agreed if n > 0]) >= 3, agreed
     assert page.evaluate(USED) == metric_value(pod, "pagoda_kv_cache_blocks_used") == 0
 
