@@ -707,14 +707,11 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
             pagoda_rms_norm(hidden, residual, residual, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
         }
         status |= run_linear(s->qkv_kernel, dtype, normed, &L->qkv, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
-        for (int r = 0; r < rows; r++) { /* q and k heads rotate together: they are side by side */
+        for (int r = 0; r < rows; r++) /* q and k heads rotate together: they are side by side */
             rotate(qkv_or_gate_up, (int64_t)r * qkv_size, s->num_heads + s->num_kv_heads, hd, cos32 + (int64_t)r * hd,
                    sin32 + (int64_t)r * hd, dtype);
-            if (slots[r] < 0) continue;
-            const char *row = (const char *)qkv_or_gate_up + (size_t)r * qkv_size * elem;
-            memcpy((char *)L->k_cache + slots[r] * kv_size * elem, row + (size_t)q_size * elem, kv_size * elem);
-            memcpy((char *)L->v_cache + slots[r] * kv_size * elem, row + (size_t)(q_size + kv_size) * elem, kv_size * elem);
-        }
+        const char *k = (const char *)qkv_or_gate_up + (size_t)q_size * elem, *v = k + (size_t)kv_size * elem;
+        pagoda_store_kv(k, qkv_size, v, qkv_size, L->k_cache, L->v_cache, slots, rows, kv_size, num_slots, dtype);
         const int attended = pagoda_paged_decode_attention(
             qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, block_tables, block_table_stride, context_lens, attended_or_act, rows,
             s->num_heads, s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype,
