@@ -44,6 +44,7 @@ class AttentionBackend(Protocol):
         block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
         scale: float,
         sliding_window: int | None = None,
+        step_cache: dict | None = None,  # as for decode
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 

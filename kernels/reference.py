@@ -115,8 +115,9 @@ class TorchReferenceBackend:
         return out
 
     def paged_prefill_attention(
-        self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None
-    ):
+        self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
+        step_cache=None,
+    ):  # fmt: skip
         out = torch.empty_like(query)
         starts = cu_seqlens_q.tolist()
         for i, length in enumerate(context_lens.tolist()):

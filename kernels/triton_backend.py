@@ -57,8 +57,9 @@ class TritonBackend:
             )
 
     def paged_prefill_attention(
-        self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None
-    ) -> torch.Tensor:
+        self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
+        step_cache=None,
+    ) -> torch.Tensor:  # fmt: skip
         with _on_device(query):
             return paged_prefill_attention(
                 query,

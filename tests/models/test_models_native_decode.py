@@ -1,14 +1,14 @@
-"""Decode steps in one native call (`models/native_decode.py`) give the op-by-op layers' results bit for
-bit: every position's logits and every KV cache entry, over a schedule of prefill, mixed and decode
-steps, in fp32 and bf16, for each tiny family (qwen3's q/k norms run op by op), with dense and with
-4-bit weights."""
+"""Steps in one native call (`models/native_decode.py`) give the op-by-op layers' results bit for bit:
+every position's logits and every KV cache entry, over a schedule of prefill, mixed and decode steps,
+in fp32 and bf16, for each tiny family (qwen3's q/k norms run op by op), with dense and with 4-bit
+weights; prefills past the per-token attention's context run op by op."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models_paged_harness import PagedHarness, run_schedule, schedule_token_counts
-from pagoda.kernels import cpu_native
+from models_paged_harness import SCHEDULE, PagedHarness, run_schedule, schedule_token_counts
+from pagoda.kernels import cpu_backend, cpu_native
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.layers.linear import Linear
 from pagoda.server.engine.layers.quantized import Int4Weight
@@ -33,9 +33,23 @@ def _run(model, sequences, native: bool):
     return run_schedule(harness, sequences), harness.kv_caches
 
 
+def _native_steps(model, per_token_context: int) -> int:
+    """Steps of SCHEDULE the native call takes: every projection has a native kernel at its rows, and its
+    prefills (if any) attend token by token."""
+    layers = model.model.native_decode._layers()
+    count = 0
+    for prefill_slices, decoding in SCHEDULE:
+        rows = sum(part.stop - part.start for part in prefill_slices.values()) + len(decoding)
+        longest = max((part.stop for part in prefill_slices.values()), default=0)  # chunks start at 0 or after one
+        count += layers is not None and layers.kernels(rows) is not None and longest <= per_token_context
+    return count
+
+
+@pytest.mark.parametrize("per_token_context", [cpu_backend.PER_TOKEN_PREFILL_CONTEXT, 20])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, monkeypatch):
+def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, per_token_context, monkeypatch):
     family, path = tiny_family_dir
+    monkeypatch.setattr(cpu_backend, "PER_TOKEN_PREFILL_CONTEXT", per_token_context)
     model = load_model(path, dtype=dtype).model
     calls = []
     original = cpu_native.DecodeLayers.__call__
@@ -50,13 +64,13 @@ def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, monkey
     expected, expected_caches = _run(model, sequences, native=False)
     assert not calls
     actual, caches = _run(model, sequences, native=True)
-    # Every decode-only step of the schedule (4 of 7, of 2 and 4 rows) runs natively where this CPU has
-    # the dtype's few-row kernels; Qwen3's q/k norms are not a layer the native call takes.
-    takes = model.model.layers[0].self_attn.qkv_proj.native_projection().kernel(4) is not None
-    if family == "qwen3" or not takes:
-        assert not any(calls)
-    else:
-        assert len(calls) == 4 and all(calls)
+    # Qwen3's q/k norms are not a layer the native call takes. With the default context every step of
+    # the schedule (contexts <= 40) runs natively where this CPU has the dtype's kernels at its rows; at
+    # 20, the steps that prefill `c` (contexts 24 and 40) run op by op.
+    native = 0 if family == "qwen3" else _native_steps(model, per_token_context)
+    assert sum(calls) == native
+    if family != "qwen3" and model.model.native_decode._layers().kernels(26) is not None:
+        assert native == (7 if per_token_context >= 40 else 5)
     for seq, chunks in expected.items():
         for (start, want), (got_start, got) in zip(chunks, actual[seq], strict=True):
             assert start == got_start and torch.equal(got, want), f"{family} {seq}@{start}"

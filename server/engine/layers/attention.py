@@ -79,6 +79,7 @@ class PagedAttention(nn.Module):
             meta.prefill_block_tables,
             self.scale,
             self.sliding_window,
+            step_cache=meta.step_cache,
         )
 
     def _decode(self, backend: AttentionBackend, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
