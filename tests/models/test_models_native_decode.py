@@ -10,6 +10,7 @@ import torch
 from models_paged_harness import SCHEDULE, PagedHarness, run_schedule, schedule_token_counts
 from pagoda.kernels import cpu_backend, cpu_native
 from pagoda.server.engine.attention_metadata import AttentionMetadata
+from pagoda.server.engine.layers import linear, quantized
 from pagoda.server.engine.layers.linear import Linear
 from pagoda.server.engine.layers.quantized import Int4Weight
 from pagoda.server.engine.loader import load_model
@@ -108,6 +109,9 @@ def _quantize_to_int4(model) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_with_4_bit_weights_equals_the_layers(tiny_llama3_dir, dtype, monkeypatch):
+    # The schedule's decode steps have 2 and 4 rows: let the 4-bit copies take 2 (by default they take 1).
+    monkeypatch.setattr(quantized, "FEW_ROWS", 2)
+    monkeypatch.setattr(linear, "FEW_ROWS", 2)
     model = load_model(tiny_llama3_dir, dtype=dtype).model
     _quantize_to_int4(model.model.layers)
     int4_calls = []

@@ -22,9 +22,9 @@ from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
 # Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
-# native kernels both sides: int4 1.35x at 1 row, 1.06x at 2, 0.88x at 3, 0.72x at 4; the LM head's
-# int8 copy, torch's kernel, about the same): docs/benchmarks.md.
-FEW_ROWS = 2
+# native kernels both sides: int4 1.2-1.4x at 1 row, 0.9-1.0x at 2 since the dense kernel streams at
+# ~30 GB/s; the LM head's int8 copy, torch's kernel, 0.8-0.9x at 1 row): docs/benchmarks.md.
+FEW_ROWS = 1
 
 
 def few_rows(x: torch.Tensor, in_features: int) -> bool:
