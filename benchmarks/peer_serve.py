@@ -15,7 +15,9 @@ so every server reads the same weights):
 Workloads (streamed completions of random-word prompts, greedy, `ignore_eos` where the server honours it;
 throughput counts the tokens each server reports): the main one (32 requests, prompts of 5-125 words,
 16-64 output tokens, concurrency 16), the same shape at concurrency 1 (8 requests) and 64 (64 requests), and one request of 128
-tokens at a time (ms per output token). Prints markdown tables with ratios; --out writes JSON + markdown.
+tokens at a time (ms per output token). Prints markdown tables with ratios, and each dense pagoda row's
+one stream against the weight-read floor (the model's weight bytes over a 1 GiB `sum`'s bandwidth,
+measured at the start and the end of the run); --out writes JSON + markdown.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -233,6 +236,49 @@ def offline_main_workload() -> dict:
     return OfflineBaseline({}).run(main.requests(), max_concurrency=main.concurrency)
 
 
+def dram_read_gbps(repeats: int = 5) -> float:
+    """What a plain read of 1 GiB reaches now (torch's `sum`, default threads, best of `repeats`): the
+    bandwidth the weight-read floor is taken at. Measured at the start and the end of a run (it drifts
+    on a shared host)."""
+    import torch
+
+    data = torch.ones(1 << 28)  # fp32
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9
+
+
+def weights_per_token(folder: Path) -> int:
+    """Weights a one-row decode step reads: every parameter once (a tied embedding as the LM head)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        return sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())  # noqa: SIM118 (not a dict)
+
+
+def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> list[str]:
+    """One stream of each dense pagoda row against the weight-read floor at the higher bandwidth."""
+    gbps = max(bandwidths)
+    params = weights_per_token(folder)
+    lines = ["", f"DRAM read (1 GiB `sum`, start / end of the run): {' / '.join(f'{b:.1f}' for b in bandwidths)} GB/s"]
+    for server in found:
+        dtype = server.label.removeprefix("pagoda (").removesuffix(")")
+        single = server.results.get(WORKLOADS[3].name)
+        if not server.label.startswith("pagoda (") or dtype not in ("bfloat16", "float32") or not single:
+            continue
+        floor_ms = params * (2 if dtype == "bfloat16" else 4) / (gbps * 1e9) * 1e3
+        ratio = single["mean_tpot_ms"] / floor_ms
+        lines.append(
+            f"{server.label}, 1 stream: {single['mean_tpot_ms']:.1f} ms/token = {ratio:.2f}x the weight-read "
+            f"floor ({params / 1e6:.0f}M weights at {gbps:.1f} GB/s: {floor_ms:.1f} ms)"
+        )
+    return lines
+
+
 def markdown(found: list[Server], offline: dict | None) -> str:
     by_label = {s.label: s for s in found}
     lines = [
@@ -297,6 +343,7 @@ def main() -> int:
     found = servers(args.dtypes.split(","), folder, cores)
     if args.only:
         found = [s for s in found if s.label.startswith(tuple(args.only.split(",")))]
+    bandwidths = [dram_read_gbps()]
     for server in found:
         print(f"{server.label}: {' '.join(server.argv)}", flush=True)
         try:
@@ -304,7 +351,8 @@ def main() -> int:
         except Exception as exc:  # a peer that fails to start is reported, not fatal
             print(f"  {server.label} failed: {exc}", flush=True)
     offline = offline_main_workload() if any(s.label.startswith("pagoda (GGUF") for s in found) else None
-    report = markdown(found, offline)
+    bandwidths.append(dram_read_gbps())
+    report = "\n".join([markdown(found, offline), *floor_lines(found, folder, bandwidths)])
     print(report)
     (args.out / "peer_serve.md").write_text(report + "\n")
     (args.out / "peer_serve.json").write_text(
