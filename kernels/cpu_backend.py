@@ -27,10 +27,10 @@ from pagoda.kernels import cpu_native
 from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 
 # Prefills whose sequences are all this short attend token by token in the native kernel, one call for
-# all of them: as fast as torch's flash attention for one 128-token prompt, 1.6-1.9x for several short
-# ones (flash costs a call a sequence; 2 cores, bf16). Past it flash's blocking wins: a long context is
-# read once a block of queries, not once a query (a 64-token chunk after 512 cached: 1.5x).
-PER_TOKEN_PREFILL_CONTEXT = 128
+# all of them: as fast as torch's flash attention for one prompt of up to 256 tokens, 1.3-1.9x for
+# several (flash costs a call a sequence; 2 cores, bf16). Past it flash's blocking wins: a long context
+# is read once a block of queries, not once a query (a 64-token chunk after 448 cached: 1.5-1.7x).
+PER_TOKEN_PREFILL_CONTEXT = 256
 
 
 def prefill_as_decode(

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from pagoda.kernels.cpu_backend import CpuBackend
+from pagoda.kernels import cpu_backend, cpu_native
+from pagoda.kernels.cpu_backend import CpuBackend, prefill_as_decode
 from pagoda.kernels.testing import (
     case_id,
     latin_square,
@@ -120,3 +121,26 @@ def test_prefill_default_tiles_and_odd_head_dim(reference, generator):
         head_dim=80,
         num_kv_heads=1,
     )
+
+
+def test_prefill_as_decode_rows():
+    # Sequence 0: 3 new tokens after 2 cached (context 5); sequence 1: a whole prompt of 2.
+    cu_seqlens_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    context_lens = torch.tensor([5, 2], dtype=torch.int32)
+    block_tables = torch.tensor([[7, 8], [9, 0]], dtype=torch.int32)
+    tables, lens = prefill_as_decode(cu_seqlens_q, context_lens, block_tables)
+    assert tables.tolist() == [[7, 8], [7, 8], [7, 8], [9, 0], [9, 0]]
+    assert lens.tolist() == [3, 4, 5, 1, 2] and lens.dtype == torch.int32  # each sees up to itself
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_prefills_go_token_by_token_and_long_ones_to_flash(reference, generator, dtype, monkeypatch):
+    """Both sides of PER_TOKEN_PREFILL_CONTEXT match the reference; the native kernel takes the short one."""
+    calls = []
+    native = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    limit = cpu_backend.PER_TOKEN_PREFILL_CONTEXT
+    for seqs, token_by_token in (([(limit, limit), (50, 20)], True), ([(limit + 1, 9), (30, 30)], False)):
+        calls.clear()
+        _check_prefill(CpuBackend(), reference, generator, seqs, group=3, block_size=16, dtype=dtype)
+        assert bool(calls) == (token_by_token and cpu_native.library() is not None)
