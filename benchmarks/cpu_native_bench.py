@@ -21,11 +21,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from pagoda.kernels import cpu_native
 from pagoda.kernels.cpu_backend import CpuBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_bandwidth import dram_read_gbps
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate+up, down
 HEAD = (49152, 576)
@@ -154,7 +158,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def main() -> None:
     if cpu_native.library() is None:
         sys.exit("the native kernels do not build here (no C compiler?)")
-    print(f"threads {torch.get_num_threads()}, AMX {bool(cpu_native.library().amx)}\n")
+    print(f"threads {torch.get_num_threads()}, AMX {bool(cpu_native.library().amx)}, DRAM read {dram_read_gbps():.1f} GB/s\n")
     print("| dtype | sequences x context | torch fused µs | native µs | speed-up |\n|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         print("\n".join(attention_rows(dtype)))

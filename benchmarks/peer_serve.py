@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests")]  # the one free_port: tests/support
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]  # the one free_port: tests/support
 
+from host_bandwidth import dram_read_gbps  # noqa: E402
 from pagoda.server.bench.client import Target  # noqa: E402
 from pagoda.server.bench.dataset import BenchRequest, random_requests  # noqa: E402
 from pagoda.server.bench.report import summarize  # noqa: E402
@@ -234,22 +235,6 @@ def offline_main_workload() -> dict:
 
     main = WORKLOADS[0]
     return OfflineBaseline({}).run(main.requests(), max_concurrency=main.concurrency)
-
-
-def dram_read_gbps(repeats: int = 5) -> float:
-    """What a plain read of 1 GiB reaches now (torch's `sum`, default threads, best of `repeats`): the
-    bandwidth the weight-read floor is taken at. Measured at the start and the end of a run (it drifts
-    on a shared host)."""
-    import torch
-
-    data = torch.ones(1 << 28)  # fp32
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.nbytes / best / 1e9
 
 
 def weights_per_token(folder: Path) -> int:
