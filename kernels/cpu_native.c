@@ -140,9 +140,6 @@ struct attention_task {
 #if defined(__AVX512F__)
 #define CHUNK 16 /* tokens whose scores are exponentiated together */
 
-/* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
- * once), one online-softmax update for the chunk with a vectorized exp, then the weighted sum of
- * their V rows. Per-token work is a few vector instructions, not a dependent chain of scalar ones. */
 /* A block's K and V rows of one KV head, `tokens` of them from `base` (elements), into L1. In a decode
  * step the caches come from DRAM (the layer's weights went through the caches since): without this
  * each block's first reads wait for memory. */
@@ -157,6 +154,9 @@ static inline void prefetch_block(const struct attention_task *a, int64_t base, 
     }
 }
 
+/* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
+ * once), one online-softmax update for the chunk with a vectorized exp, then the weighted sum of
+ * their V rows. Per-token work is a few vector instructions, not a dependent chain of scalar ones. */
 static void attend(const struct attention_task *a, const int dtype) {
     const int group = a->group, head_dim = a->head_dim, chunks = (head_dim + 15) / 16;
     __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16], acc[MAX_GROUP][MAX_HEAD_DIM / 16];

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE = 2 << 20
-MIN_BYTES = 1 << 20  # smaller tensors would waste most of a page and cost nothing to stream
+MIN_BYTES = 1 << 20  # smaller ones (norm weights, biases) take no time to stream: they stay put
 ALIGN = 4096
 
 
