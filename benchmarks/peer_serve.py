@@ -83,6 +83,7 @@ class Server:
     model: str  # the name requests carry
     env: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = True  # transformers serve refuses the field (422)
+    dense_dtype: str | None = None  # pagoda on an HF folder: its one stream is set against the floor
     results: dict[str, dict] = field(default_factory=dict)
 
 
@@ -131,7 +132,12 @@ def servers(dtypes: list[str], folder: Path, cores: int) -> list[Server]:
     ]
     for dtype in dtypes:
         found.append(
-            Server(f"pagoda ({dtype})", [*pagoda, "--model", str(folder), "--dtype", dtype], folder.name)
+            Server(
+                f"pagoda ({dtype})",
+                [*pagoda, "--model", str(folder), "--dtype", dtype],
+                folder.name,
+                dense_dtype=dtype,
+            )
         )
         found.append(
             Server(
@@ -251,11 +257,10 @@ def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> l
     params = weights_per_token(folder)
     lines = ["", f"DRAM read (1 GiB `sum`, start / end of the run): {' / '.join(f'{b:.1f}' for b in bandwidths)} GB/s"]
     for server in found:
-        dtype = server.label.removeprefix("pagoda (").removesuffix(")")
         single = server.results.get(WORKLOADS[3].name)
-        if not server.label.startswith("pagoda (") or dtype not in ("bfloat16", "float32") or not single:
+        if server.dense_dtype not in ("bfloat16", "float32") or not single:
             continue
-        floor_ms = params * (2 if dtype == "bfloat16" else 4) / (gbps * 1e9) * 1e3
+        floor_ms = params * (2 if server.dense_dtype == "bfloat16" else 4) / (gbps * 1e9) * 1e3
         ratio = single["mean_tpot_ms"] / floor_ms
         lines.append(
             f"{server.label}, 1 stream: {single['mean_tpot_ms']:.1f} ms/token = {ratio:.2f}x the weight-read "

@@ -139,15 +139,15 @@ class CpuBackend(TorchReferenceBackend):
 
     def per_token_prefill(self, cu_seqlens_q, context_lens, block_tables, step_cache=None):
         """`prefill_as_decode` of a prefill part this backend runs token by token natively, else None;
-        worked out once per step. The one rule for this backend and the fused native layers."""
-        short = int(context_lens.max()) <= PER_TOKEN_PREFILL_CONTEXT
-        if not (self.native and short and context_lens.device.type == "cpu"):
-            return None
-        if step_cache is None:
-            return prefill_as_decode(cu_seqlens_q, context_lens, block_tables)
-        if "cpu_prefill_rows" not in step_cache:
-            step_cache["cpu_prefill_rows"] = prefill_as_decode(cu_seqlens_q, context_lens, block_tables)
-        return step_cache["cpu_prefill_rows"]
+        decided and worked out once per step. The one rule for this backend and the fused native layers."""
+        if step_cache is not None and "cpu_prefill_rows" in step_cache:
+            return step_cache["cpu_prefill_rows"]
+        takes = self.native and context_lens.device.type == "cpu"
+        short = takes and int(context_lens.max()) <= PER_TOKEN_PREFILL_CONTEXT
+        rows = prefill_as_decode(cu_seqlens_q, context_lens, block_tables) if short else None
+        if step_cache is not None:
+            step_cache["cpu_prefill_rows"] = rows
+        return rows
 
     def paged_prefill_attention(
         self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,

@@ -61,14 +61,14 @@ def move_to_huge_pages(model: torch.nn.Module) -> int:
                     slots.setdefault(key, (tensor, []))[1].append((module, kind, name))
     if not slots:
         return 0
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t, _ in slots.values()]
+    nbytes = [t.numel() * t.element_size() for t, _ in slots.values()]
+    sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
     mapping = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -arena.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
-    for (tensor, owners), size in zip(slots.values(), sizes, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        moved = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+    for (tensor, owners), n, size in zip(slots.values(), nbytes, sizes, strict=True):
+        moved = arena[offset : offset + n].view(tensor.dtype).view(tensor.shape)
         moved.copy_(tensor.detach())
         for module, kind, name in owners:
             if kind == "_parameters":
@@ -77,5 +77,5 @@ def move_to_huge_pages(model: torch.nn.Module) -> int:
                 getattr(module, kind)[name] = moved
         offset += size
     del arena  # the moved tensors hold the mapping
-    logger.info("weights: %d tensors, %.0f MiB on huge pages", len(slots), offset / 2**20)
-    return sum(t.numel() * t.element_size() for t, _ in slots.values())
+    logger.info("weights: %d tensors, %.0f MiB on huge pages", len(slots), sum(nbytes) / 2**20)
+    return sum(nbytes)
