@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
+    lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
@@ -316,6 +317,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     status = lib.pagoda_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                  DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
     return out if status == 0 else None
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(each row's first maximal index, its logsumexp) of fp32 logits [rows, vocab], as torch's
+    argmax and logsumexp give them; rows holding a NaN or an infinity take torch's own."""
+    lib = _takes(logits)
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    rows, vocab = logits.shape
+    index = torch.empty(rows, dtype=torch.long)
+    log_norm = torch.empty(rows)
+    left = lib.pagoda_argmax_logsumexp(logits.data_ptr(), rows, vocab, index.data_ptr(), log_norm.data_ptr(),
+                                       torch.get_num_threads())  # fmt: skip
+    if left < 0:
+        return None
+    if left:
+        left = (index < 0).nonzero().squeeze(1)
+        index[left] = logits[left].argmax(dim=-1)
+        log_norm[left] = torch.logsumexp(logits[left], dim=-1)
+    return index, log_norm
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:

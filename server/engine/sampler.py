@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pagoda.kernels import cpu_native
 from pagoda.server.engine.sampling_params import SamplingParams
 
 
@@ -93,10 +94,13 @@ class Sampler:
             )
         for i in bias_rows:
             apply_logit_bias(logits[i], params[i].logit_bias)
+        greedy_ids, log_norm = argmax_and_log_norm(raw)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(random_rows) == len(params):  # every row samples: no greedy choice, no row copies
+        if len(random_rows) == len(params):  # every row samples: no row copies
             chosen = self._sample(logits.cpu(), params, generators).to(logits.device)
-        else:
+        elif logits is raw:
+            chosen = greedy_ids
+        else:  # penalties or a bias moved the maximum
             chosen = logits.argmax(dim=-1)
         if random_rows and len(random_rows) < len(params):
             sampled = self._sample(
@@ -107,7 +111,7 @@ class Sampler:
             chosen[random_rows] = sampled.to(chosen.device)
         chosen_list = chosen.tolist()
         # The chosen token's log-probability without writing out the whole log-softmax.
-        chosen_logprobs = (raw.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)).tolist()
+        chosen_logprobs = (raw.gather(1, chosen[:, None]).squeeze(1) - log_norm).tolist()
         top: list[dict[int, float] | None] = [None] * len(params)
         max_k = max((p.logprobs or 0 for p in params), default=0)
         top_values = top_ids = None
@@ -146,6 +150,12 @@ class Sampler:
             if generator is not None:
                 uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator)
         return sample_from_cdf(probs, uniform)
+
+
+def argmax_and_log_norm(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximal index and its logsumexp: one native pass on CPU, torch's ops elsewhere."""
+    native = cpu_native.argmax_logsumexp(logits)
+    return native if native is not None else (logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
 
 
 def sample_from_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

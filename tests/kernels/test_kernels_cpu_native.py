@@ -143,3 +143,24 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
         assert torch.equal(out, expected)
     else:
         assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (16, 49152), (5, 37)])
+def test_argmax_logsumexp_matches_torch(rows, vocab, generator):
+    logits = 4 * torch.randn(rows, vocab, generator=generator)
+    logits[0, vocab // 3] = logits[0, vocab // 2] = logits[0].max() + 1  # a tie: the first index wins
+    index, log_norm = cpu_native.argmax_logsumexp(logits)
+    assert torch.equal(index, logits.argmax(dim=-1)) and index[0] == vocab // 3
+    assert torch.allclose(log_norm, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_argmax_logsumexp_leaves_nan_and_infinite_rows_to_torchs_rules():
+    logits = torch.zeros(4, 40)
+    logits[0, 7] = float("nan")  # torch: a NaN is the maximum
+    logits[1, 9] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, 5] = 2.0
+    index, log_norm = cpu_native.argmax_logsumexp(logits)
+    assert torch.equal(index, logits.argmax(dim=-1)) and index.tolist() == [7, 9, 0, 5]
+    assert torch.allclose(log_norm, torch.logsumexp(logits, dim=-1), equal_nan=True)
+    assert cpu_native.argmax_logsumexp(logits.T) is None and cpu_native.argmax_logsumexp(logits.double()) is None
