@@ -17,7 +17,8 @@ throughput counts the tokens each server reports): the main one (32 requests, pr
 16-64 output tokens, concurrency 16), the same shape at concurrency 1 (8 requests) and 64 (64 requests), and one request of 128
 tokens at a time (ms per output token). Prints markdown tables with ratios, and each dense pagoda row's
 one stream against the weight-read floor (the model's weight bytes over a 1 GiB `sum`'s bandwidth,
-measured at the start and the end of the run); --out writes JSON + markdown.
+read just before and after that stream: a shared host's bandwidth moves by half within minutes);
+--out writes JSON + markdown.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ def run_server(server: Server, out: Path) -> None:
         target = Target(base, server.model, ignore_eos=server.ignore_eos)
         asyncio.run(warm_up(target))
         for workload in WORKLOADS:
+            # a dense row's one stream is set against the floor at the bandwidth of that moment
+            around_floor = workload is WORKLOADS[3] and server.dense_dtype is not None
+            before = dram_read_gbps() if around_floor else None
             results, duration = asyncio.run(
                 run_benchmark(
                     target,
@@ -217,6 +221,8 @@ def run_server(server: Server, out: Path) -> None:
                 )
             )
             server.results[workload.name] = summarize(results, duration)
+            if around_floor:
+                server.results[workload.name]["dram_read_gbps"] = [before, dram_read_gbps()]
             print(
                 f"  {server.label:34s} {workload.name:18s} {_line(server.results[workload.name])}", flush=True
             )
@@ -252,19 +258,22 @@ def weights_per_token(folder: Path) -> int:
 
 
 def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> list[str]:
-    """One stream of each dense pagoda row against the weight-read floor at the higher bandwidth."""
-    gbps = max(bandwidths)
+    """One stream of each dense pagoda row against the weight-read floor at the higher of the
+    bandwidths read just before and after it."""
     params = weights_per_token(folder)
     lines = ["", f"DRAM read (1 GiB `sum`, start / end of the run): {' / '.join(f'{b:.1f}' for b in bandwidths)} GB/s"]
     for server in found:
         single = server.results.get(WORKLOADS[3].name)
         if server.dense_dtype not in ("bfloat16", "float32") or not single:
             continue
+        around = single.get("dram_read_gbps") or bandwidths
+        gbps = max(around)
         floor_ms = params * (2 if server.dense_dtype == "bfloat16" else 4) / (gbps * 1e9) * 1e3
         ratio = single["mean_tpot_ms"] / floor_ms
         lines.append(
             f"{server.label}, 1 stream: {single['mean_tpot_ms']:.1f} ms/token = {ratio:.2f}x the weight-read "
-            f"floor ({params / 1e6:.0f}M weights at {gbps:.1f} GB/s: {floor_ms:.1f} ms)"
+            f"floor ({params / 1e6:.0f}M weights at {gbps:.1f} GB/s: {floor_ms:.1f} ms; DRAM read "
+            f"{' / '.join(f'{b:.1f}' for b in around)} GB/s just before / after)"
         )
     return lines
 
