@@ -183,17 +183,19 @@ def paged_decode_attention(
 # SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids (AMX): AMX bf16
 # 1.5-2.4x at 1-16 rows, AVX-512 bf16 dot products only at one row, fp32 1.2-1.4x up to 4 rows (past
 # that its two 512-bit FMA units make oneDNN the faster). Zen 4 (AVX512-BF16, no AMX): both dot-product
-# kernels ahead of torch at every row count to 64 (bf16 1.1-1.5x, fp32 1.1-3x); bf16 also in a mixed
-# step of ~80 rows (a prompt + the decodes: 10-20 % faster), even with oneDNN from ~128 (a prefill).
+# kernels ahead of torch at every row count to 64 (bf16 1.1-1.5x, fp32 1.1-3x), even with oneDNN
+# around 128-256 rows, where a mixed step (a prompt joining 15 decodes) then runs all its layers in
+# one native call: 88 rows fp32 230 -> 160 ms, 185 rows bf16 170 -> 150 ms; oneDNN wins past them.
 AMX_MAX_ROWS = 16
-DOT_BF16_MAX_ROWS = 128
+DOT_BF16_MAX_ROWS = 256
+DOT_F32_MAX_ROWS = 128
 
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
     """Rows up to which the AVX-512 dot-product kernel of `dtype` runs (0: never)."""
     if dtype == torch.bfloat16:
         return 0 if not lib.pagoda_has_bf16_linear() else 1 if lib.amx else DOT_BF16_MAX_ROWS
-    return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else 64
+    return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else DOT_F32_MAX_ROWS
 
 
 LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
