@@ -330,11 +330,11 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     rows, vocab = logits.shape
     index = torch.empty(rows, dtype=torch.long)
     log_norm = torch.empty(rows)
-    left = lib.pagoda_argmax_logsumexp(logits.data_ptr(), rows, vocab, index.data_ptr(), log_norm.data_ptr(),
-                                       torch.get_num_threads())  # fmt: skip
-    if left < 0:
+    num_left = lib.pagoda_argmax_logsumexp(logits.data_ptr(), rows, vocab, index.data_ptr(),
+                                           log_norm.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if num_left < 0:
         return None
-    if left:
+    if num_left:
         left = (index < 0).nonzero().squeeze(1)
         index[left] = logits[left].argmax(dim=-1)
         log_norm[left] = torch.logsumexp(logits[left], dim=-1)
