@@ -23,7 +23,7 @@ from torch import nn
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
 # Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
 # native kernels both sides: int4 1.2-1.4x at 1 row, 0.9-1.0x at 2 since the dense kernel streams at
-# ~30 GB/s; the LM head's int8 copy, torch's kernel, 0.7-0.9x of the bf16 one at 1 row, so bf16 keeps
+# ~30 GB/s; the LM head's int8 copy, torch's kernel, 0.8-0.95x of the bf16 one at 1 row, so bf16 keeps
 # its dense head: `gguf_int4.dense_head_is_faster`): docs/benchmarks.md.
 FEW_ROWS = 1
 
