@@ -168,8 +168,9 @@ static void attend(const struct attention_task *a, const int dtype) {
     for (int c = 0; c < chunks; c++)
         tail[c] = head_dim - 16 * c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - 16 * c)) - 1);
 #if defined(__AVX512BF16__)
+    const int in_pairs = dtype == DTYPE_BF16 && head_dim % 32 == 0; /* Q.K on the bf16 pairs as stored */
     __m512bh qh[MAX_GROUP][MAX_HEAD_DIM / 32];
-    if (dtype == DTYPE_BF16 && head_dim % 32 == 0)
+    if (in_pairs)
         for (int g = 0; g < group; g++)
             for (int c = 0; c < head_dim / 32; c++)
                 qh[g][c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)a->q + a->q_offset + g * a->q_head_stride + 32 * c);
@@ -195,7 +196,7 @@ static void attend(const struct attention_task *a, const int dtype) {
                            a->length - next < a->block_size ? a->length - next : a->block_size, dtype);
         float scores[MAX_GROUP][CHUNK];
 #if defined(__AVX512BF16__)
-        if (dtype == DTYPE_BF16 && head_dim % 32 == 0)
+        if (in_pairs)
             for (int g = 0; g < group; g++)
                 for (int j = 0; j < n; j += 4) {
                     __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};

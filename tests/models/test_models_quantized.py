@@ -88,9 +88,9 @@ def test_quantization_choice():
 
 
 def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
-    """bf16 serving: decode steps of one sequence run on the 4-bit blocks (and the int8 head where it is
-    the faster). Against the
-    same model on its dense (dequantized) weights: most greedy tokens agree, logits stay close.
+    """bf16 serving: decode steps of one sequence run on the 4-bit blocks (and the int8 head where it
+    is the faster). Against the same model on its dense (dequantized) weights: most greedy tokens
+    agree, logits stay close.
     Measured on 100 prompts: docs/benchmarks.md (benchmarks/accuracy.py)."""
     from pagoda import LLM, SamplingParams
 
