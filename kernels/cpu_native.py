@@ -182,13 +182,15 @@ def paged_decode_attention(
 # Rows up to which each kernel beats torch's (oneDNN/MKL) GEMM on a whole model's weights, 2 cores,
 # SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids (AMX): AMX bf16
 # 1.5-2.4x at 1-16 rows, AVX-512 bf16 dot products only at one row, fp32 1.2-1.4x up to 4 rows (past
-# that its two 512-bit FMA units make oneDNN the faster). Zen 4 (AVX512-BF16, no AMX): both dot-product
-# kernels ahead of torch at every row count to 64 (bf16 1.1-1.5x, fp32 1.1-3x), even with oneDNN
-# around 128-256 rows, where a mixed step (a prompt joining 15 decodes) then runs all its layers in
-# one native call: 88 rows fp32 230 -> 160 ms, 185 rows bf16 170 -> 150 ms; oneDNN wins past them.
+# that its two 512-bit FMA units made oneDNN the faster; measured before the fp32 tile kept its
+# vectors in registers). Zen 4 (AVX512-BF16, no AMX): both dot-product kernels ahead of torch at every
+# row count to 128 (bf16 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step
+# (a prompt joining 15 decodes) then runs all its layers in one native call: 185 rows bf16 170 ->
+# 150 ms; the fp32 workload of benchmarks/peer_serve.py ~2 % faster offline at 256 rows than at 128.
+# oneDNN wins past them.
 AMX_MAX_ROWS = 16
 DOT_BF16_MAX_ROWS = 256
-DOT_F32_MAX_ROWS = 128
+DOT_F32_MAX_ROWS = 256
 
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
