@@ -40,7 +40,7 @@ from e2e.fault_plot import plot_fault
 from e2e.front import RoundRobinFront
 from e2e.load import Load, RequestRecord, outcome
 from e2e.local import CR_PATH, NAME, NAMESPACE, start_operator
-from e2e.pod_runner import PodRunner
+from e2e.pod_runner import PodRunner, Replica
 
 CLIENTS = 8  # closed-loop users: enough that 2 servers of 16 blocks stay above the KV target
 THINK_S = 0.5  # each user waits a random 0..0.5 s before its next request
@@ -239,13 +239,15 @@ async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
         return next((r for r in load.records if r.ttft is not None and not r.end
                      and r.backend in runner.ready_backends()), None)
 
-    async def a_stream() -> RequestRecord:
+    async def kill_a_streaming_pod() -> tuple[Replica, float]:
         while (record := streaming()) is None:
             await asyncio.sleep(0.02)
-        return record
+        # no await between finding the stream and the signal: it cannot end in between
+        t_kill = cluster.now()
+        return runner.kill(record.backend or ""), t_kill
 
-    killed = runner.kill((await asyncio.wait_for(a_stream(), 30)).backend or "")
-    killed_url, t_kill = killed.url, cluster.now()
+    killed, t_kill = await asyncio.wait_for(kill_a_streaming_pod(), 30)
+    killed_url = killed.url
     cluster.log(f"SIGKILL {killed.name} ({killed_url})")
     t_degraded = await cluster.wait_until("Degraded", lambda: cluster.condition("Degraded").get("status") == "True",
                                           30)

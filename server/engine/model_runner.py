@@ -238,8 +238,9 @@ class ModelRunner:
         """Block copies, the forward, the sampled rows' logits: (hidden states, logits)."""
         self.copy_blocks(step.block_copies)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
-        rows = step.sample_rows
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        rows = step.sample_rows  # increasing: all of them is every row (a decode step), no copy
+        sampled = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+        logits = self.model.compute_logits(sampled) if rows else hidden.new_empty(0, 0)
         return hidden, logits
 
     @torch.inference_mode()
