@@ -87,7 +87,8 @@ class Cluster:
         self.prometheus_up = True
 
     def now(self) -> float:
-        return round(time.monotonic() - self.t0, 2)
+        # not rounded: a stream that ends within 10 ms of a kill must still order after it
+        return time.monotonic() - self.t0
 
     def log(self, what: str) -> None:
         print(f"[{self.now():6.1f} s] {what}", flush=True)
@@ -262,7 +263,7 @@ async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
     window = [r for r in load.records if lo <= r.start and r.end and r.end <= hi]
     gone = cluster.between(t_kill, t_ready)
     result = {
-        **outcome(window), "killed_pod": killed.name, "kill_at_s": t_kill,
+        **outcome(window), "killed_pod": killed.name, "kill_at_s": round(t_kill, 2),
         "in_flight_at_kill": len(in_flight), "in_flight_on_killed_pod": len(on_killed),
         "degraded_after_s": round(t_degraded - t_kill, 2), "degraded_reason": degraded_reason,
         "recovery_s": round(t_ready - t_kill, 2),

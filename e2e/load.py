@@ -35,7 +35,7 @@ class RequestRecord:
     ttft: float | None = None
 
     def row(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "start": round(self.start, 3), "end": round(self.end, 3)}
 
 
 class Load:
