@@ -11,6 +11,7 @@ import pytest
 from pagoda.server.api.state import ServerConfig
 
 LONG = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+VERY_LONG = {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True}  # for a server of max_model_len 512
 
 
 async def wait_until(predicate, timeout: float = 10.0) -> None:
@@ -33,10 +34,12 @@ def finished(server, reason: str) -> float:
     return server.state.metrics.finished[reason]._value.get()
 
 
-async def test_client_disconnect_aborts_and_frees_blocks(server):
+async def test_client_disconnect_aborts_and_frees_blocks(start_server):
+    # the tiny model's whole context (500 tokens): none can finish before its client leaves
+    server = start_server(max_model_len=512, num_blocks=160)
     aborted_before = finished(server, "abort")
     async with aiohttp.ClientSession() as session:
-        streams = [await open_stream(session, server.url, LONG) for _ in range(3)]
+        streams = [await open_stream(session, server.url, VERY_LONG) for _ in range(3)]
         stats = server.stats()
         assert stats.num_running + stats.num_waiting >= 1 and stats.num_blocks_used > 0
         for response in streams:  # the client goes away mid-stream
@@ -46,7 +49,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(server):
         # a non-streamed request whose client gives up
         with pytest.raises(asyncio.TimeoutError):
             await session.post(
-                server.url + "/v1/completions", json=LONG, timeout=aiohttp.ClientTimeout(total=0.3)
+                server.url + "/v1/completions", json=VERY_LONG, timeout=aiohttp.ClientTimeout(total=0.3)
             )
     await wait_until(lambda: finished(server, "abort") == aborted_before + 4)
 
