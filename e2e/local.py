@@ -99,13 +99,14 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 
 
 def build_model(out: Path) -> Path:
-    """A small random Llama (3M parameters): heavy enough that the servers, not this harness's
-    proxying, limit the throughput, light enough to keep up on two busy cores."""
+    """A small random Llama (~20M parameters): heavy enough that the servers, not this harness's
+    proxying, limit the throughput (so a second replica shows in TTFT), light enough to keep up on
+    two busy cores."""
     from support.tiny_models import make_tiny_model
 
-    target = out / "llama-256x4"
+    target = out / "llama-512x8"
     if not (target / "config.json").exists():
-        make_tiny_model("llama", target, hidden=256, num_layers=4)
+        make_tiny_model("llama", target, hidden=512, num_layers=8)
     return target
 
 
