@@ -492,9 +492,18 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * four sums of a row leave as one vector: a scalar epilogue cost a fifth of the arithmetic at K=576. */
 #define TILE 4
 
-/* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within. */
+/* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
+ * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
+ * a sequential stream per thread, which the hardware prefetcher keeps full, where a tile's four
+ * interleaved rows plus the software prefetch reached 75-85 % of a plain read (Zen 4, SmolLM2's
+ * layers at one row: bf16 8.3 -> 7.1 ms, fp32 15.6 -> 10.4 ms; at two rows the tiles are ahead). */
 #define DEFINE_LINEAR(name, T, tile_fn)                                                                  \
     int name(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int num_threads) {       \
+        if (M == 1) {                                                                                   \
+            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
+            for (int n = 0; n < N; n++) tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1, 0, 0); \
+            return 0;                                                                                   \
+        }                                                                                               \
         const int tiles = (N + TILE - 1) / TILE;                                                        \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                           \
         for (int tile = 0; tile < tiles; tile++) {                                                      \
