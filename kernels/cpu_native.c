@@ -934,6 +934,55 @@ INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, con
         }
 }
 
+/* One output of one bf16 row, the weights read start to end: each 32 nibbles become bf16 0..15 (a
+ * 16-entry table lookup, exact) for one dot-product instruction with x, where widening them to fp32
+ * for fused multiply-adds took twice as long at one row (SmolLM2's gate/up projections, Zen 4: 4.3 ->
+ * 2.1 ms over 30 layers). 64 inputs a step: 32 bytes widen in one instruction. */
+static const uint16_t BF16_OF_NIBBLE[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                            0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+INLINE float int4_row_bf16(const uint16_t *x, const uint8_t *q, const float *scales, const float *mins,
+                           const float *xsum, int K, int group) {
+    const __m512i table = _mm512_loadu_si512(BF16_OF_NIBBLE), low = _mm512_set1_epi16(0x0f);
+    const int groups = K / group;
+    __m512 acc = _mm512_setzero_ps(), part = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + k / 2)));
+        const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_srli_epi16(bytes, 4);
+        /* inputs k..k+31 are the first 16 bytes' low then high nibbles; k+32..k+63 the next 16's */
+        const __m512i first = _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0x44), table);
+        const __m512i second = _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0xee), table);
+        if (group == 32) {
+            acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)first, (__m512bh)_mm512_loadu_si512(x + k)),
+                                  _mm512_set1_ps(scales[k / 32]), acc);
+            acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)second, (__m512bh)_mm512_loadu_si512(x + k + 32)),
+                                  _mm512_set1_ps(scales[k / 32 + 1]), acc);
+        } else {
+            part = _mm512_dpbf16_ps(part, (__m512bh)first, (__m512bh)_mm512_loadu_si512(x + k));
+            part = _mm512_dpbf16_ps(part, (__m512bh)second, (__m512bh)_mm512_loadu_si512(x + k + 32));
+            if ((k + 64) % group == 0) {
+                acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[(k + 64) / group - 1]), acc);
+                part = _mm512_setzero_ps();
+            }
+        }
+    }
+    if (k < K) { /* the last group of 32 */
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f))),
+                                             _mm256_srli_epi16(bytes, 4), 1);
+        acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(v, table),
+                                               (__m512bh)_mm512_loadu_si512(x + k)),
+                              _mm512_set1_ps(scales[groups - 1]), acc);
+    }
+    __m512 shift = _mm512_setzero_ps(); /* sum_g min_g sum(x_g) */
+    for (int g = 0; g < groups; g += 16) {
+        const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        shift = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + g), _mm512_maskz_loadu_ps(mask, xsum + g), shift);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, shift));
+}
+
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads) {
     if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
@@ -948,6 +997,16 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
             for (int i = 0; i < group; i++) s += x32[(int64_t)m * K + g * group + i];
             xsum[m * groups + g] = s;
         }
+    }
+    if (M == 1 && dtype == DTYPE_BF16) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int n = 0; n < N; n++) {
+            const float v = int4_row_bf16(x, q + (int64_t)n * K / 2, scales + (int64_t)n * groups,
+                                          mins + (int64_t)n * groups, xsum, K, group);
+            ((uint16_t *)y)[n] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
+        }
+        free(x32);
+        return 0;
     }
     const int tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
