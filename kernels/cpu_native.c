@@ -1040,3 +1040,43 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
     return -1;
 }
 #endif
+
+/* ---- y[1, N] = x W^T (+ bias) with W in int8, one scale per output row -----------------------
+ * For a one-row step's LM head (the int8 copy of a GGUF Q8_0 head): half of bf16's bytes, each
+ * weight row read start to end and widened to fp32 in registers for fused multiply-adds with the fp32
+ * row (SmolLM2's 49152 x 576 head, Zen 4: 0.7 ms vs the bf16 kernel's 1.1-1.7 and torch's int8 kernel's
+ * 2.9). Scales and bias in the activations' dtype; other row counts are torch's. */
+#if defined(__AVX512F__)
+int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const void *bias, void *y, int M, int N,
+                       int K, int dtype, int num_threads) {
+    if (M != 1 || K % 32 || K > MAX_HIDDEN) return -1; /* K: a hidden size */
+    float x32[MAX_HIDDEN];
+    load_f32(x, 0, dtype, x32, K);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < N; n++) {
+        const int8_t *row = q + (int64_t)n * K;
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two chains: the FMA latency */
+        for (int k = 0; k < K; k += 32) {
+            even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k)))),
+                                   _mm512_loadu_ps(x32 + k), even);
+            odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16)))),
+                                  _mm512_loadu_ps(x32 + k + 16), odd);
+        }
+        float v;
+        load_f32(scales, n, dtype, &v, 1);
+        v *= _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+        if (bias) {
+            float b;
+            load_f32(bias, n, dtype, &b, 1);
+            v += b;
+        }
+        store_f32(y, n, dtype, &v, 1);
+    }
+    return 0;
+}
+#else
+int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const void *bias, void *y, int M, int N,
+                       int K, int dtype, int num_threads) {
+    return -1;
+}
+#endif

@@ -103,6 +103,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
+    lib.pagoda_linear_int8.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
     lib.max_head_dim, lib.max_group = lib.pagoda_max_head_dim(), lib.pagoda_max_group()
     return lib
@@ -285,6 +286,25 @@ def int4_linear(
         out_features, in_features, group, DTYPES[x.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y.view(*x.shape[:-1], out_features) if status == 0 else None
+
+
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [..., K] @ Wᵀ (+ bias) for W = q * scale (q [N, K] int8, scales [N], one per output) in x's dtype,
+    for one row; None where the kernel does not run (the caller runs torch's)."""
+    in_features = q.shape[1]
+    if x.numel() != in_features or q.dtype != torch.int8 or not q.is_contiguous() or not has_avx512():
+        return None
+    if _takes(x, scales, *([bias] if bias is not None else [])) is None or not scales.is_contiguous():
+        return None
+    row = x.contiguous()
+    y = torch.empty(*x.shape[:-1], q.shape[0], dtype=x.dtype)
+    status = library().pagoda_linear_int8(
+        row.data_ptr(), q.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), 1, q.shape[0],
+        in_features, DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return y if status == 0 else None
 
 
 def _takes(*tensors: torch.Tensor) -> ctypes.CDLL | None:

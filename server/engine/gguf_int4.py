@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pagoda.kernels import cpu_native
 from pagoda.server.engine.layers.linear import Linear, MergedLinear
 from pagoda.server.engine.layers.quantized import Int4Weight, Int8Weight
 
@@ -81,17 +80,10 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, dtype: torch.dtype) -
             module.quantize(Int4Weight(q, scale, zero, dtype))
             swapped += 1
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")  # untied, else tied
-    if head is not None and head.tensor_type.name == "Q8_0" and not dense_head_is_faster(model.lm_head.weight):
+    if head is not None and head.tensor_type.name == "Q8_0":  # one-row steps read half of bf16's bytes
         model.lm_head.quantize(Int8Weight(model.lm_head.weight.detach(), dtype))
     logger.info("GGUF low-bit weights for few-row steps: %d linear layers in 4 bits", swapped)
     return swapped
-
-
-def dense_head_is_faster(weight: torch.Tensor) -> bool:
-    """A bf16 LM head on the native kernel streams its 2 bytes a weight as fast as torch's int8 kernel
-    streams 1, and exactly (SmolLM2's 49k x 576 at one row, both on huge pages, 2 Zen 4 cores: 2.7 vs
-    2.9 ms); fp32 reads 4."""
-    return weight.dtype == torch.bfloat16 and cpu_native.linear_kernel(weight, None, 1) is not None
 
 
 def _stack(module: Linear, shards, found, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

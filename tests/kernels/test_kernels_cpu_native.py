@@ -101,6 +101,21 @@ def test_int4_linear_matches_the_dequantized_weight(dtype, rows, out_features, i
     assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
 
 
+@pytest.mark.skipif(not cpu_native.has_avx512(), reason="the int8 kernel is AVX-512 only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (7, 64)])
+def test_int8_linear_matches_the_dequantized_weight(dtype, out_features, in_features, generator):
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator).to(torch.int8)
+    scales = (torch.rand(out_features, generator=generator) / 100).to(dtype)
+    x = torch.randn(1, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    y = cpu_native.int8_linear(x, q, scales, bias)
+    expected = F.linear(x.float(), q.float() * scales.float()[:, None], bias.float())
+    assert y.dtype == dtype and y.shape == (1, out_features)
+    assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
+    assert cpu_native.int8_linear(x.expand(2, -1), q, scales, bias) is None  # more rows: torch's kernel
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_and_without_residual_matches_torch(dtype, generator):
     x = torch.randn(5, 576, generator=generator).to(dtype)

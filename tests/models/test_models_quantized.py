@@ -32,14 +32,6 @@ def test_gguf_q4_blocks_are_the_dequantized_weights_bit_for_bit(smollm2_fp32):
         assert torch.equal(layer.low_bit.dequantize(), layer.weight)
 
 
-def test_bf16_keeps_its_dense_head_where_the_native_kernel_streams_it():
-    from pagoda.server.engine.gguf_int4 import dense_head_is_faster
-
-    head = torch.zeros(64, 64)
-    assert not dense_head_is_faster(head)  # fp32: 4 bytes a weight against the int8 copy's 1
-    assert dense_head_is_faster(head.bfloat16()) == (cpu_native.linear_kernel(head.bfloat16(), None, 1) is not None)
-
-
 def test_q8_lm_head_int8_copy_is_within_half_a_step(smollm2_fp32):
     loaded, _ = smollm2_fp32
     head = loaded.model.lm_head

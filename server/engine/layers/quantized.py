@@ -22,9 +22,9 @@ from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
 # Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
-# native kernels both sides: int4 1.2-1.4x at 1 row, 0.9-1.0x at 2 since the dense kernel streams at
-# ~30 GB/s; the LM head's int8 copy, torch's kernel, 0.8-0.95x of the bf16 one at 1 row, so bf16 keeps
-# its dense head: `gguf_int4.dense_head_is_faster`): docs/benchmarks.md.
+# native kernels both sides): at 1 row the 4-bit layers and the int8 LM head read a quarter and half
+# of the bytes and are faster; from 2 rows the dense kernels reuse each weight across the rows and are
+# (docs/benchmarks.md).
 FEW_ROWS = 1
 
 
@@ -93,6 +93,9 @@ class Int8Weight(nn.Module):
         self.register_buffer("scales", scales.to(dtype))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = cpu_native.int8_linear(x, self.q, self.scales, bias) if self.scales.dtype == x.dtype else None
+        if y is not None:
+            return y
         rows = x.reshape(-1, self.in_features)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
