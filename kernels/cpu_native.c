@@ -883,7 +883,7 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
  * (high), as GGUF stores them; scales and mins [N][K / group] fp32. y[n] = sum_g scale_g (q_g . x_g)
  * + sum_g min_g sum(x_g): the sums of x per group are taken once per row, the second sum is a short
  * dot product per output. The weights are read once per step at a quarter of bf16's bytes; the
- * arithmetic is fp32. */
+ * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`). */
 #if defined(__AVX512F__)
 #define INT4_MAX_GROUPS 1024
 
