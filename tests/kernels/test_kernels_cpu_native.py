@@ -87,7 +87,10 @@ def test_linear_declines_many_rows_and_other_devices():
 @pytest.mark.skipif(not cpu_native.has_avx512(), reason="the 4-bit kernel is AVX-512 only")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
-@pytest.mark.parametrize(("out_features", "in_features", "group"), [(100, 576, 32), (9, 96, 32), (7, 256, 64), (64, 512, 256)])  # 96: a last group past 64-input steps
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group"),
+    [(100, 576, 32), (9, 96, 32), (7, 256, 64), (64, 512, 256)],  # 96: a last group past the 64-input steps
+)
 def test_int4_linear_matches_the_dequantized_weight(dtype, rows, out_features, in_features, group, generator):
     q = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scales = torch.rand(out_features, in_features // group, generator=generator) * 0.1

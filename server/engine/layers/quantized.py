@@ -23,7 +23,7 @@ from torch import nn
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel supports
 # Rows up to which the low-bit kernels beat the dense bf16 ones (SmolLM2's shapes, 2 Zen 4 cores, the
 # native kernels both sides): at 1 row the 4-bit layers and the int8 LM head read a quarter and half
-# of the bytes and are faster; from 2 rows the dense kernels reuse each weight across the rows and are
+# of the bytes and win; from 2 rows the dense kernels, which reuse each weight across the rows, win
 # (docs/benchmarks.md).
 FEW_ROWS = 1
 
