@@ -941,47 +941,44 @@ INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, con
 static const uint16_t BF16_OF_NIBBLE[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
                                             0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
+/* Adds 32 inputs' products to the group's partial sum; a group's last chunk scales it into acc. */
+#define INT4_CHUNK_BF16(weights, xk)                                                            \
+    do {                                                                                        \
+        part = _mm512_dpbf16_ps(part, (__m512bh)(weights), (__m512bh)_mm512_loadu_si512(xk));  \
+        if (--chunks_left == 0) {                                                               \
+            acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[g++]), acc);                      \
+            part = _mm512_setzero_ps();                                                         \
+            chunks_left = group / 32;                                                           \
+        }                                                                                       \
+    } while (0)
+
 INLINE float int4_row_bf16(const uint16_t *x, const uint8_t *q, const float *scales, const float *mins,
                            const float *xsum, int K, int group) {
     const __m512i table = _mm512_loadu_si512(BF16_OF_NIBBLE), low = _mm512_set1_epi16(0x0f);
     const int groups = K / group;
     __m512 acc = _mm512_setzero_ps(), part = _mm512_setzero_ps();
-    int k = 0;
+    int k = 0, g = 0, chunks_left = group / 32;
     for (; k + 64 <= K; k += 64) {
         const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + k / 2)));
         const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_srli_epi16(bytes, 4);
         /* inputs k..k+31 are the first 16 bytes' low then high nibbles; k+32..k+63 the next 16's */
-        const __m512i first = _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0x44), table);
-        const __m512i second = _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0xee), table);
-        if (group == 32) {
-            acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)first, (__m512bh)_mm512_loadu_si512(x + k)),
-                                  _mm512_set1_ps(scales[k / 32]), acc);
-            acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)second, (__m512bh)_mm512_loadu_si512(x + k + 32)),
-                                  _mm512_set1_ps(scales[k / 32 + 1]), acc);
-        } else {
-            part = _mm512_dpbf16_ps(part, (__m512bh)first, (__m512bh)_mm512_loadu_si512(x + k));
-            part = _mm512_dpbf16_ps(part, (__m512bh)second, (__m512bh)_mm512_loadu_si512(x + k + 32));
-            if ((k + 64) % group == 0) {
-                acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[(k + 64) / group - 1]), acc);
-                part = _mm512_setzero_ps();
-            }
-        }
+        INT4_CHUNK_BF16(_mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0x44), table), x + k);
+        INT4_CHUNK_BF16(_mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0xee), table), x + k + 32);
     }
-    if (k < K) { /* the last group of 32 */
+    if (k < K) { /* the last 32 inputs */
         const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k / 2)));
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f))),
                                              _mm256_srli_epi16(bytes, 4), 1);
-        acc = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(v, table),
-                                               (__m512bh)_mm512_loadu_si512(x + k)),
-                              _mm512_set1_ps(scales[groups - 1]), acc);
+        INT4_CHUNK_BF16(_mm512_permutexvar_epi16(v, table), x + k);
     }
     __m512 shift = _mm512_setzero_ps(); /* sum_g min_g sum(x_g) */
-    for (int g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        shift = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + g), _mm512_maskz_loadu_ps(mask, xsum + g), shift);
+    for (int i = 0; i < groups; i += 16) {
+        const __mmask16 mask = groups - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - i)) - 1);
+        shift = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + i), _mm512_maskz_loadu_ps(mask, xsum + i), shift);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, shift));
 }
+#undef INT4_CHUNK_BF16
 
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads) {
@@ -1001,8 +998,11 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
     if (M == 1 && dtype == DTYPE_BF16) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int n = 0; n < N; n++) {
-            const float v = int4_row_bf16(x, q + (int64_t)n * K / 2, scales + (int64_t)n * groups,
-                                          mins + (int64_t)n * groups, xsum, K, group);
+            const uint8_t *qn = q + (int64_t)n * K / 2;
+            const float *sn = scales + (int64_t)n * groups, *mn = mins + (int64_t)n * groups;
+            /* GGUF's groups of 32 as a constant: each chunk then scales without a counter */
+            const float v = group == 32 ? int4_row_bf16(x, qn, sn, mn, xsum, K, 32)
+                                        : int4_row_bf16(x, qn, sn, mn, xsum, K, group);
             ((uint16_t *)y)[n] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
         }
         free(x32);
