@@ -181,24 +181,25 @@ def paged_decode_attention(
 
 
 # Rows up to which each kernel beats torch's (oneDNN/MKL) GEMM on a whole model's weights, 2 cores,
-# SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids (AMX): AMX bf16
-# 1.5-2.4x at 1-16 rows, AVX-512 bf16 dot products only at one row, fp32 1.2-1.4x up to 4 rows (past
-# that its two 512-bit FMA units made oneDNN the faster; measured before the fp32 tile kept its
-# vectors in registers). Zen 4 (AVX512-BF16, no AMX): both dot-product kernels ahead of torch at every
-# row count to 128 (bf16 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step
+# SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids class (AMX):
+# the AVX-512 bf16 dot products at one row (10.3-11.0 ms vs AMX's 11.4-12.0, torch's 24-26), AMX bf16
+# at 2-16 rows (1.5-2x torch's), fp32 dot products to 128 rows (1.5x at 16 rows, 1.04x at 128,
+# 0.9x at 256). Zen 4 (AVX512-BF16, no AMX): both dot-product kernels ahead of torch at every row
+# count to 128 (bf16 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step
 # (a prompt joining 15 decodes) then runs all its layers in one native call: 185 rows bf16 170 ->
 # 150 ms; the fp32 workload of benchmarks/peer_serve.py ~2 % faster offline at 256 rows than at 128.
 # oneDNN wins past them.
 AMX_MAX_ROWS = 16
 DOT_BF16_MAX_ROWS = 256
 DOT_F32_MAX_ROWS = 256
+AMX_CPU_F32_MAX_ROWS = 128
 
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
     """Rows up to which the AVX-512 dot-product kernel of `dtype` runs (0: never)."""
     if dtype == torch.bfloat16:
         return 0 if not lib.pagoda_has_bf16_linear() else 1 if lib.amx else DOT_BF16_MAX_ROWS
-    return 0 if not lib.pagoda_has_f32_linear() else 4 if lib.amx else DOT_F32_MAX_ROWS
+    return 0 if not lib.pagoda_has_f32_linear() else AMX_CPU_F32_MAX_ROWS if lib.amx else DOT_F32_MAX_ROWS
 
 
 LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
@@ -222,10 +223,12 @@ def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) ->
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return None
     out_features, in_features = weight.shape
+    if rows <= max_rows(lib, weight.dtype):
+        return LINEAR_DOT
     amx_takes = in_features % 32 == 0 and out_features >= 16
     if weight.dtype == torch.bfloat16 and lib.amx and rows <= AMX_MAX_ROWS and amx_takes:
         return LINEAR_AMX
-    return LINEAR_DOT if rows <= max_rows(lib, weight.dtype) else None
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
