@@ -623,11 +623,13 @@ int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
 #endif
 
 
-/* ---- AMX: y[M <= 16, N] = x W^T in bf16 for CPUs with tile registers -------------------------
+/* ---- AMX: y[M, N] = x W^T in bf16 for CPUs with tile registers --------------------------------
  * The weight is read in its own row-major layout as the A operand (16 weight rows x 32 inputs a
  * tile), the step's rows are packed once per call as the B operand (pairs of inputs, VNNI order),
- * so C holds 16 outputs x M rows. One tile instruction does 16 x 16 x 32 multiply-adds: the weight
- * stream, not arithmetic, sets the pace, at any M up to 16. */
+ * so C holds 16 outputs x 16 rows. One tile instruction does 16 x 16 x 32 multiply-adds (~5.5 ns on
+ * one core here): at up to 16 rows the weight stream sets the pace; past that each weight tile feeds
+ * two row tiles, and a step of 64-512 rows takes 0.65-0.9x oneDNN's time (which reorders the weight
+ * on every call; Sapphire Rapids class, SmolLM2's projections, docs/benchmarks.md). */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -644,52 +646,85 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-#define AMX_OUT_TILES 4 /* C tiles in flight: 64 weight rows a pass */
-
 int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M,
                            int N, int K, int num_threads) {
-    if (M < 1 || M > 16 || K % 32 || N < 16) return -1;
-    const int pairs = K / 2, full = N / 16 * 16;
-    uint32_t *packed = malloc((size_t)pairs * M * sizeof *packed); /* B: [K/2][M] input pairs */
+    if (M < 1 || K % 32 || N < 16) return -1;
+    /* B: [K/2][padded] input pairs; past 16 rows, padded with zero rows to whole tiles of 16 */
+    const int pairs = K / 2, full = N / 16 * 16, padded = M <= 16 ? M : (M + 15) / 16 * 16;
+    const int row_tiles = (padded + 15) / 16, cols = M <= 16 ? M : 16;
+    uint32_t *packed = calloc((size_t)pairs * padded, sizeof *packed);
     if (!packed) return -1;
     const uint32_t *x32 = (const uint32_t *)x;
-    for (int m = 0; m < M; m++)
-        for (int p = 0; p < pairs; p++) packed[p * M + m] = x32[(int64_t)m * pairs + p];
-    const int groups = (full / 16 + AMX_OUT_TILES - 1) / AMX_OUT_TILES;
+    /* Tiles 0-3 accumulate, 4-5 hold weights (A), 6-7 rows (B). One row tile: four 16-output tiles
+     * a pass, sharing B; more: 2 x 2, each A and B feeding two. */
+    const int out_tiles = row_tiles == 1 ? 4 : 2;
+    const int groups = (full / 16 + out_tiles - 1) / out_tiles;
 #pragma omp parallel num_threads(num_threads)
     {
         struct tile_config cfg = {0};
         cfg.palette_id = 1;
-        for (int t = 0; t < AMX_OUT_TILES; t++) cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(4 * M);
-        cfg.rows[4] = 16, cfg.colsb[4] = (uint16_t)(4 * M); /* B */
-        cfg.rows[5] = 16, cfg.colsb[5] = 64;               /* A */
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        for (int t = 0; t < 4; t++) cfg.colsb[t] = (uint16_t)(4 * cols); /* C */
+        cfg.colsb[6] = cfg.colsb[7] = (uint16_t)(4 * cols);            /* B */
         _tile_loadconfig(&cfg);
+#pragma omp for schedule(static) /* written in order; x's rows stay in L1 across the pairs */
+        for (int p = 0; p < pairs; p++)
+            for (int m = 0; m < M; m++) packed[(int64_t)p * padded + m] = x32[(int64_t)m * pairs + p];
         float out[16 * 16];
+        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(cols));
 #pragma omp for schedule(static)
         for (int group = 0; group < groups; group++) {
-            const int n0 = group * AMX_OUT_TILES * 16;
-            const int tiles = (full - n0) / 16 < AMX_OUT_TILES ? (full - n0) / 16 : AMX_OUT_TILES;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int k = 0; k < K; k += 32) {
-                _tile_loadd(4, packed + (k / 2) * M, 4 * M);
-                const uint16_t *a = w + (int64_t)n0 * K + k;
-                _tile_loadd(5, a, 2 * K); _tile_dpbf16ps(0, 5, 4);
-                if (tiles > 1) { _tile_loadd(5, a + 16 * (int64_t)K, 2 * K); _tile_dpbf16ps(1, 5, 4); }
-                if (tiles > 2) { _tile_loadd(5, a + 32 * (int64_t)K, 2 * K); _tile_dpbf16ps(2, 5, 4); }
-                if (tiles > 3) { _tile_loadd(5, a + 48 * (int64_t)K, 2 * K); _tile_dpbf16ps(3, 5, 4); }
-            }
-            for (int t = 0; t < tiles; t++) {
-                switch (t) { /* tile numbers are immediates */
-                    case 0: _tile_stored(0, out, 4 * M); break;
-                    case 1: _tile_stored(1, out, 4 * M); break;
-                    case 2: _tile_stored(2, out, 4 * M); break;
-                    default: _tile_stored(3, out, 4 * M); break;
+            const int n0 = group * out_tiles * 16;
+            const int tiles = (full - n0) / 16 < out_tiles ? (full - n0) / 16 : out_tiles;
+            const uint16_t *a = w + (int64_t)n0 * K;
+            const int64_t a_tile = 16 * (int64_t)K;
+            for (int r0 = 0; r0 < row_tiles; r0 += 2) {
+                const int two_rows = out_tiles == 2 && r0 + 1 < row_tiles;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int k = 0; k < K; k += 32) {
+                    /* the next group's weights into L2, in address order, while this one computes (one
+                     * row tile: the hardware's prefetch alone was as fast) */
+                    if (out_tiles == 2 && r0 == 0 && group + 1 < groups) {
+                        const int64_t lines = (int64_t)out_tiles * 16 * K * 2 / 64, steps = K / 32;
+                        const char *next = (const char *)(a + out_tiles * a_tile);
+                        for (int64_t l = lines * (k / 32) / steps; l < lines * (k / 32 + 1) / steps; l++)
+                            _mm_prefetch(next + l * 64, _MM_HINT_T2);
+                    }
+                    const uint32_t *b = packed + (int64_t)(k / 2) * padded + 16 * r0;
+                    _tile_loadd(6, b, 4 * padded);
+                    if (out_tiles == 4) {
+                        _tile_loadd(4, a + k, 2 * K); _tile_dpbf16ps(0, 4, 6);
+                        if (tiles > 1) { _tile_loadd(5, a + a_tile + k, 2 * K); _tile_dpbf16ps(1, 5, 6); }
+                        if (tiles > 2) { _tile_loadd(4, a + 2 * a_tile + k, 2 * K); _tile_dpbf16ps(2, 4, 6); }
+                        if (tiles > 3) { _tile_loadd(5, a + 3 * a_tile + k, 2 * K); _tile_dpbf16ps(3, 5, 6); }
+                        continue;
+                    }
+                    _tile_loadd(4, a + k, 2 * K); _tile_dpbf16ps(0, 4, 6);
+                    if (tiles > 1) { _tile_loadd(5, a + a_tile + k, 2 * K); _tile_dpbf16ps(2, 5, 6); }
+                    if (two_rows) {
+                        _tile_loadd(7, b + 16, 4 * padded); _tile_dpbf16ps(1, 4, 7);
+                        if (tiles > 1) _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
-                const int nt = n0 + 16 * t;
-                for (int m = 0; m < M; m++)
-                    for (int i = 0; i < 16; i++)
-                        y[(int64_t)m * N + nt + i] =
-                            f32_to_bf16(out[i * M + m] + (bias ? bf16_to_f32(bias[nt + i]) : 0.0f));
+                /* C tile c holds outputs (c / rows a pass) and row tile r0 + c % 2 (2 x 2), or c (4 x 1) */
+                for (int c = 0; c < 4; c++) {
+                    const int t = out_tiles == 4 ? c : c / 2, r = out_tiles == 4 ? 0 : c % 2;
+                    if (t >= tiles || (r == 1 && !two_rows)) continue;
+                    switch (c) {
+                        case 0: _tile_stored(0, out, 4 * cols); break;
+                        case 1: _tile_stored(1, out, 4 * cols); break;
+                        case 2: _tile_stored(2, out, 4 * cols); break;
+                        default: _tile_stored(3, out, 4 * cols); break;
+                    }
+                    const int nt = n0 + 16 * t, m0 = 16 * (r0 + r);
+                    const __m512 b16 = bias ? load16(bias, nt, 0xffff, DTYPE_BF16) : _mm512_setzero_ps();
+                    for (int m = m0; m < M && m < m0 + 16; m++) { /* a row's 16 outputs: a column of C */
+                        const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, out + (m - m0), 4), b16);
+                        _mm256_storeu_si256((__m256i *)(y + (int64_t)m * N + nt), _mm512_cvtepi32_epi16(bf16_bits(v)));
+                    }
+                }
+                if (out_tiles == 4) break; /* one row tile */
             }
         }
         _tile_release();

@@ -59,7 +59,7 @@ def test_decode_attention_refuses_a_block_outside_the_cache(generator):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 37, 64, 65, 128, 129, 256, 257])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 37, 64, 65, 128, 129, 256, 257, 512, 513])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50)])
 def test_linear_matches_torch(dtype, rows, out_features, in_features, generator):
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
