@@ -184,11 +184,12 @@ def paged_decode_attention(
 # SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids class (AMX):
 # the AVX-512 bf16 dot products at one row (10.3-11.0 ms vs AMX's 11.4-12.0, torch's 24-26), AMX bf16
 # at 2-512 rows (1.5-2x torch's to 32 rows, 1.1-1.5x at 64-512, 0.9x at 1024), fp32 dot products to
-# 128 rows (1.5x at 16 rows, 1.04x at 128, 0.9x at 256). Zen 4 (AVX512-BF16, no AMX): both
-# dot-product kernels ahead of torch at every row count to 128 (bf16 1.1-1.5x, fp32 1.1-3x), even
-# with oneDNN around 256 rows, where a mixed step (a prompt joining 15 decodes) then runs all its
-# layers in one native call: 185 rows bf16 170 -> 150 ms; the fp32 workload of
-# benchmarks/peer_serve.py ~2 % faster offline at 256 rows than at 128. oneDNN wins past them.
+# 128 rows (1.4-1.5x at 16-32 rows, level at 96-128: 0.94-1.04x in two runs, 0.9x at 256). Zen 4
+# (AVX512-BF16, no AMX): both dot-product kernels ahead of torch at every row count to 128 (bf16
+# 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step (a prompt joining 15
+# decodes) then runs all its layers in one native call: 185 rows bf16 170 -> 150 ms; the fp32
+# workload of benchmarks/peer_serve.py ~2 % faster offline at 256 rows than at 128. oneDNN wins past
+# them.
 AMX_MAX_ROWS = 512
 DOT_BF16_MAX_ROWS = 256
 DOT_F32_MAX_ROWS = 256
