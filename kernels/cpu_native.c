@@ -708,7 +708,8 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
                         if (tiles > 1) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                /* C tile c holds outputs (c / rows a pass) and row tile r0 + c % 2 (2 x 2), or c (4 x 1) */
+                /* C tile c: output tile c of the one row tile (4 x 1), or output tile c / 2 of row
+                 * tile r0 + c % 2 (2 x 2) */
                 for (int c = 0; c < 4; c++) {
                     const int t = out_tiles == 4 ? c : c / 2, r = out_tiles == 4 ? 0 : c % 2;
                     if (t >= tiles || (r == 1 && !two_rows)) continue;
