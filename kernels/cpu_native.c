@@ -487,7 +487,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
 /* ---- y[M, N] = x[M, K] W[N, K]^T (+ bias), for decode-sized steps ----------------------------
  * Tiles of up to 4 rows x 4 outputs: each weight row is read from DRAM once per step (the first
  * row tile; the others find it in L1) and every row of the step reuses it from registers. While the
- * later row tiles compute, the next tile's weight rows are prefetched, so the DRAM stream and the
+ * row tiles compute, the weight rows of a tile ahead are prefetched, so the DRAM stream and the
  * arithmetic overlap (past a few rows the arithmetic is as long as the stream on two cores). The
  * four sums of a row leave as one vector: a scalar epilogue cost a fifth of the arithmetic at K=576. */
 #define TILE 4
@@ -513,20 +513,26 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
             return 0;                                                                                   \
         }                                                                                               \
         const int tiles = (N + TILE - 1) / TILE;                                                        \
+        const int row_tiles = (M + TILE - 1) / TILE, share = (TILE + row_tiles - 1) / row_tiles;        \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                           \
         for (int tile = 0; tile < tiles; tile++) {                                                      \
             const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
             const T *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;                               \
             const T *next = tile + 1 < tiles ? wn + (int64_t)TILE * K : 0;                              \
             const int next_rows = N - n0 - TILE < TILE ? N - n0 - TILE : TILE;                          \
+            const T *ahead = row_tiles == 1 ? next : tile + 2 < tiles ? wn + (int64_t)2 * TILE * K : 0; \
+            const int after_next = N - n0 - 2 * TILE < TILE ? N - n0 - 2 * TILE : TILE;                  \
+            const int ahead_rows = row_tiles == 1 ? next_rows : after_next;                              \
             for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
                 const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
                 const T *xm = x + (int64_t)m0 * K;                                                      \
                 T *ym = y + (int64_t)m0 * N + n0;                                                       \
-                /* the first row tile, itself waiting on DRAM, asks for the tile after the next; */   \
-                /* the others read this tile from L1 and ask for nothing (asking again for lines */   \
-                /* already on their way cost fp32 at 16-64 rows 3-14 %, Sapphire Rapids class) */      \
-                const T *pf = M <= TILE ? next : m0 > 0 ? 0 : next && tile + 2 < tiles ? next + (int64_t)TILE * K : 0; \
+                /* one row tile asks for the next tile; more share the tile after the next, each its */ \
+                /* rows of it a line per step, so the stream runs through all of the tile's arithmetic */ \
+                /* (the first row tile asking for all of it: fp32 at 16 rows 29.0 -> 25.3 ms for */     \
+                /* SmolLM2's weights, Sapphire Rapids class; lines asked for twice cost 3-14 %) */       \
+                const int pf_rows = ahead_rows - m0 / TILE * share < share ? ahead_rows - m0 / TILE * share : share; \
+                const T *pf = ahead && pf_rows > 0 ? ahead + (int64_t)(m0 / TILE) * share * K : 0;      \
                 switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
                     TILE_CASES(tile_fn)                                                                 \
                 }                                                                                       \
@@ -535,7 +541,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         return 0;                                                                                       \
     }
 #define TILE_CASE(tile_fn, mb, nb) \
-    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb, pf, next_rows); break;
+    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb, pf, pf_rows); break;
 #define TILE_CASES(f)                                                                     \
     TILE_CASE(f, 1, 1) TILE_CASE(f, 1, 2) TILE_CASE(f, 1, 3) TILE_CASE(f, 1, 4)           \
     TILE_CASE(f, 2, 1) TILE_CASE(f, 2, 2) TILE_CASE(f, 2, 3) TILE_CASE(f, 2, 4)           \
@@ -732,7 +738,7 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
                 const uint16_t *xm = x + (int64_t)m0 * K, *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;
                 uint16_t *ym = y + (int64_t)m0 * N + n0;
                 const uint16_t *pf = 0;
-                const int next_rows = 0;
+                const int pf_rows = 0;
                 switch (MB * 8 + 1) { TILE_CASE(tile_bf16, 1, 1) TILE_CASE(tile_bf16, 2, 1) TILE_CASE(tile_bf16, 3, 1) TILE_CASE(tile_bf16, 4, 1) }
             }
     }

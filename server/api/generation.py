@@ -8,7 +8,7 @@ blocks at once.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -42,9 +42,6 @@ def make_requests(
         raise error_from_validation(exc, req.wire_names) from None
 
 
-_DONE = object()
-
-
 def engine_aborted() -> APIError:
     return APIError(
         503,
@@ -65,54 +62,28 @@ async def generate_all(
     engine = state.engine
     metrics = state.metrics
     assert engine is not None and metrics is not None
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, request: Request) -> None:
-        engine_request_id = request.request_id
-        tracker = metrics.request_tracker()
-        try:
-            async for output in engine.stream(request):
-                tracker.update(output)
-                if output.finished and any(c.finish_reason == "abort" for c in output.outputs):
-                    # Not the client's doing (its leaving cancels this task): the engine dropped it.
-                    queue.put_nowait((index, engine_aborted()))
-                    return
-                queue.put_nowait((index, output))
-        except asyncio.CancelledError:
-            tracker.finish("abort")
-            await engine.abort(engine_request_id)  # the generator aborts too; this makes it certain
-            raise
-        except EngineDeadError:
-            tracker.finish("error")
-            dead = APIError(
-                503, "The engine loop is not running.", type="service_unavailable", code="engine_dead"
-            )
-            queue.put_nowait((index, dead))
-            return
-        except Exception as exc:
-            tracker.finish("error")
-            log.exception("engine request %s failed", engine_request_id)
-            queue.put_nowait((index, exc))
-            return
-        queue.put_nowait((index, _DONE))
-
-    tasks = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
+    trackers = [metrics.request_tracker() for _ in requests]
+    unfinished = "abort"  # how the requests still running when this ends count: the client left
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, APIError):
-                raise item
-            elif isinstance(item, BaseException):
-                raise APIError(500, f"Generation failed: {item}", type="internal_error") from item
-            else:
-                yield index, item
+        async with contextlib.aclosing(engine.stream_all(requests)) as outputs:
+            async for index, output in outputs:
+                trackers[index].update(output)
+                if output.finished and any(c.finish_reason == "abort" for c in output.outputs):
+                    raise engine_aborted()  # not the client's doing (its leaving closes this generator)
+                yield index, output
+    except EngineDeadError:
+        unfinished = "error"
+        dead = APIError(503, "The engine loop is not running.", type="service_unavailable", code="engine_dead")
+        raise dead from None
+    except APIError:
+        raise
+    except Exception as exc:
+        unfinished = "error"
+        log.exception("engine requests %s failed", [r.request_id for r in requests])
+        raise APIError(500, f"Generation failed: {exc}", type="internal_error") from exc
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for tracker in trackers:
+            tracker.finish(unfinished)  # once per request: a finished one is already counted
 
 
 def usage(outputs: Sequence[RequestOutput], completion_tokens: int) -> dict[str, Any]:
