@@ -175,7 +175,7 @@ class AsyncLLMEngine:
         with self._lock:
             if self._error is not None or self._stopping:
                 raise EngineDeadError("the engine loop is not running") from self._error
-            taken = [i for n, i in enumerate(ids) if i in self._streams or i in ids[:n]]
+            taken = [rid for at, rid in enumerate(ids) if rid in self._streams or rid in ids[:at]]
             if taken:
                 raise RequestError("request_id", f"{taken[0]!r} is already running")
             for index, request_id in enumerate(ids):
@@ -194,9 +194,6 @@ class AsyncLLMEngine:
         finally:
             if running:
                 self._request_abort(*(ids[index] for index in running))
-
-    async def abort(self, request_id: str) -> None:
-        self._request_abort(request_id)
 
     def _request_abort(self, *request_ids: str) -> None:
         with self._lock:
