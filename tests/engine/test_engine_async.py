@@ -56,6 +56,46 @@ async def test_consumer_leaving_aborts_and_frees_blocks(engine):
     assert engine.engine.requests == {}
 
 
+async def test_a_responses_requests_share_one_stream_and_leave_together(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [engine.make_request(f"multi-{i}", p, params) for i, p in enumerate([[5, 6, 7], [8, 9]])]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    async for index, output in engine.stream_all(requests):
+        seen[index] += [t for c in output.outputs for t in c.token_ids]
+    assert [len(tokens) for tokens in seen.values()] == [6, 6]
+    # leaving after the first output aborts both requests
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    requests = [engine.make_request(f"gone-{i}", list(range(10, 40)), long) for i in range(2)]
+    stream = engine.stream_all(requests)
+    await stream.__anext__()
+    await stream.aclose()
+    for _ in range(200):
+        if engine.stats().num_running == 0 and engine.stats().num_blocks_used == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.stats().num_blocks_used == 0 and engine.engine.requests == {}
+
+
+async def test_the_event_loop_is_woken_once_per_step_not_once_per_request(engine, monkeypatch):
+    """Each wake-up hands the GIL to the event loop's thread while the step thread waits for it:
+    16 streams must not cost 16 of them a step."""
+    loop = asyncio.get_running_loop()
+    wakeups = 0
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counted(*args, **kwargs):
+        nonlocal wakeups
+        wakeups += 1
+        return call_soon_threadsafe(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    steps_before = engine.stats().step_histograms.tokens.count
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    await asyncio.gather(*(collect(engine, [5 + i, 6, 7], params, f"w{i}") for i in range(16)))
+    steps = engine.stats().step_histograms.tokens.count - steps_before
+    assert wakeups <= steps < 16 * 8
+
+
 async def test_explicit_abort(engine):
     async def consume():
         return [
