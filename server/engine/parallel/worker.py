@@ -80,7 +80,7 @@ def run_worker(args, rank: int, world_size: int, local_rank: int) -> None:
     group.destroy_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     from pagoda.server.engine.config import EngineArgs
 
     argv = sys.argv[1:] if argv is None else argv
@@ -91,11 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     _exit_with_parent()
     try:
         run_worker(args, rank, world_size, local_rank)
+        status = 0
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
-        return 1
-    return 0
+        status = 1
+    # End here rather than through interpreter finalization: Python still holds the gloo group's
+    # objects after destroy_process_group, and their C++ teardown at finalization can abort the
+    # process ("terminate called without an active exception", SIGABRT, seen at a clean stop).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
