@@ -514,15 +514,13 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         }                                                                                               \
         const int tiles = (N + TILE - 1) / TILE;                                                        \
         const int row_tiles = (M + TILE - 1) / TILE, share = (TILE + row_tiles - 1) / row_tiles;        \
+        const int tiles_ahead = row_tiles == 1 ? 1 : 2; /* the tile whose weights are prefetched */     \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                           \
         for (int tile = 0; tile < tiles; tile++) {                                                      \
             const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
             const T *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;                               \
-            const T *next = tile + 1 < tiles ? wn + (int64_t)TILE * K : 0;                              \
-            const int next_rows = N - n0 - TILE < TILE ? N - n0 - TILE : TILE;                          \
-            const T *ahead = row_tiles == 1 ? next : tile + 2 < tiles ? wn + (int64_t)2 * TILE * K : 0; \
-            const int after_next = N - n0 - 2 * TILE < TILE ? N - n0 - 2 * TILE : TILE;                  \
-            const int ahead_rows = row_tiles == 1 ? next_rows : after_next;                              \
+            const T *ahead = tile + tiles_ahead < tiles ? wn + (int64_t)tiles_ahead * TILE * K : 0;     \
+            const int beyond = N - n0 - tiles_ahead * TILE, ahead_rows = beyond < TILE ? beyond : TILE; \
             for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
                 const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
                 const T *xm = x + (int64_t)m0 * K;                                                      \
@@ -531,8 +529,9 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
                 /* rows of it a line per step, so the stream runs through all of the tile's arithmetic */ \
                 /* (the first row tile asking for all of it: fp32 at 16 rows 29.0 -> 25.3 ms for */     \
                 /* SmolLM2's weights, Sapphire Rapids class; lines asked for twice cost 3-14 %) */       \
-                const int pf_rows = ahead_rows - m0 / TILE * share < share ? ahead_rows - m0 / TILE * share : share; \
-                const T *pf = ahead && pf_rows > 0 ? ahead + (int64_t)(m0 / TILE) * share * K : 0;      \
+                const int first = m0 / TILE * share, left = ahead_rows - first;                         \
+                const int pf_rows = left < share ? left : share;                                        \
+                const T *pf = ahead && pf_rows > 0 ? ahead + (int64_t)first * K : 0;                    \
                 switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
                     TILE_CASES(tile_fn)                                                                 \
                 }                                                                                       \
