@@ -404,7 +404,7 @@ INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter,
 }
 
 int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter > 65536)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter > 4096)
     for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
     return 0;
 }
@@ -650,6 +650,23 @@ int pagoda_amx_init(void) { /* Linux hands tile state to a process only on reque
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
+/* r[0..16) rows of 16 32-bit values -> their transpose, in registers (unpack, shuffle within and
+ * across 128-bit lanes): a C tile's outputs to a row's, and x's rows to the packed pairs. */
+INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+}
+
 struct tile_config {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
@@ -662,7 +679,7 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
     /* B: [K/2][padded] input pairs; past 16 rows, padded with zero rows to whole tiles of 16 */
     const int pairs = K / 2, full = N / 16 * 16, padded = M <= 16 ? M : (M + 15) / 16 * 16;
     const int row_tiles = (padded + 15) / 16, cols = M <= 16 ? M : 16;
-    uint32_t *packed = calloc((size_t)pairs * padded, sizeof *packed);
+    uint32_t *packed = malloc((size_t)pairs * padded * sizeof *packed); /* every entry written below */
     if (!packed) return -1;
     const uint32_t *x32 = (const uint32_t *)x;
     /* Tiles 0-3 accumulate, 4-5 hold weights (A), 6-7 rows (B): a pass takes 2 output tiles x up to 2
@@ -678,12 +695,17 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
         for (int t = 0; t < 4; t++) cfg.colsb[t] = (uint16_t)(4 * cols); /* C */
         cfg.colsb[6] = cfg.colsb[7] = (uint16_t)(4 * cols);            /* B */
         _tile_loadconfig(&cfg);
-#pragma omp for schedule(static) /* written in order; x's rows stay in L1 across the pairs */
-        for (int p = 0; p < pairs; p++)
-            for (int m = 0; m < M; m++) packed[(int64_t)p * padded + m] = x32[(int64_t)m * pairs + p];
-        float out[16 * 16];
-        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                  _mm512_set1_epi32(cols));
+#pragma omp for schedule(static) /* 16 pairs x 16 rows a block, transposed in registers */
+        for (int p0 = 0; p0 < pairs; p0 += 16)
+            for (int m0 = 0; m0 < M; m0 += 16) {
+                __m512 r[16];
+                for (int m = 0; m < 16; m++)
+                    r[m] = m0 + m < M ? _mm512_loadu_ps(x32 + (int64_t)(m0 + m) * pairs + p0) : _mm512_setzero_ps();
+                transpose16(r);
+                const __mmask16 width = padded - m0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (padded - m0)) - 1);
+                for (int p = 0; p < 16; p++) _mm512_mask_storeu_ps(packed + (int64_t)(p0 + p) * padded + m0, width, r[p]);
+            }
+        float out[16 * 16] = {0}; /* C rows of `cols` values: the rest stays 0 */
 #pragma omp for schedule(static)
         for (int group = 0; group < groups; group++) {
             const int n0 = group * 32, tiles = full - n0 < 32 ? 1 : 2;
@@ -714,17 +736,19 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
                     const int t = c / 2, r = c % 2;
                     if (t >= tiles || (r == 1 && !two_rows)) continue;
                     switch (c) {
-                        case 0: _tile_stored(0, out, 4 * cols); break;
-                        case 1: _tile_stored(1, out, 4 * cols); break;
-                        case 2: _tile_stored(2, out, 4 * cols); break;
-                        default: _tile_stored(3, out, 4 * cols); break;
+                        case 0: _tile_stored(0, out, 64); break;
+                        case 1: _tile_stored(1, out, 64); break;
+                        case 2: _tile_stored(2, out, 64); break;
+                        default: _tile_stored(3, out, 64); break;
                     }
                     const int nt = n0 + 16 * t, m0 = 16 * (r0 + r);
                     const __m512 b16 = bias ? load16(bias, nt, 0xffff, DTYPE_BF16) : _mm512_setzero_ps();
-                    for (int m = m0; m < M && m < m0 + 16; m++) { /* a row's 16 outputs: a column of C */
-                        const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, out + (m - m0), 4), b16);
-                        _mm256_storeu_si256((__m256i *)(y + (int64_t)m * N + nt), _mm512_cvtepi32_epi16(bf16_bits(v)));
-                    }
+                    __m512 v[16]; /* C's 16 outputs x 16 rows, transposed: a row's 16 outputs each */
+                    for (int n = 0; n < 16; n++) v[n] = _mm512_loadu_ps(out + 16 * n);
+                    transpose16(v);
+                    for (int m = m0; m < M && m < m0 + 16; m++)
+                        _mm256_storeu_si256((__m256i *)(y + (int64_t)m * N + nt),
+                                            _mm512_cvtepi32_epi16(bf16_bits(_mm512_add_ps(v[m - m0], b16))));
                 }
             }
         }
@@ -901,6 +925,7 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
             pagoda_rms_norm(hidden, residual, residual, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
         }
         status |= run_linear(s->qkv_kernel, dtype, normed, &L->qkv, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
         for (int r = 0; r < rows; r++) /* q and k heads rotate together: they are side by side */
             rotate(qkv_or_gate_up, (int64_t)r * qkv_size, s->num_heads + s->num_kv_heads, hd, cos32 + (int64_t)r * hd,
                    sin32 + (int64_t)r * hd, dtype);
