@@ -183,8 +183,10 @@ def paged_decode_attention(
 # Rows up to which each kernel beats torch's (oneDNN/MKL) GEMM on a whole model's weights, 2 cores,
 # SmolLM2-135M shapes (docs/benchmarks.md), on the two CPUs measured. Sapphire Rapids class (AMX):
 # the AVX-512 bf16 dot products at one row (10.3-11.0 ms vs AMX's 11.4-12.0, torch's 24-26), AMX bf16
-# at 2-512 rows (1.5-2x torch's to 32 rows, 1.1-1.5x at 64-512, 0.9x at 1024), fp32 dot products to
-# 128 rows (1.4-1.5x at 16-32 rows, level at 96-128: 0.94-1.04x in two runs, 0.9x at 256). Zen 4
+# at 2-512 rows (1.5-2x torch's to 32 rows, 1.1-1.5x at 64-128; level to behind at 256-512 alone, but
+# steps to 512 rows then run as one native call: offline c64 bf16 3-5 % faster than with AMX to 256
+# rows; 0.9x at 1024), fp32 dot products to 128 rows (1.4-1.5x at 16-32 rows, level at 96-128:
+# 0.94-1.04x in two runs, 0.9x at 256). Zen 4
 # (AVX512-BF16, no AMX): both dot-product kernels ahead of torch at every row count to 128 (bf16
 # 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step (a prompt joining 15
 # decodes) then runs all its layers in one native call: 185 rows bf16 170 -> 150 ms; the fp32
