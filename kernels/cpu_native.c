@@ -350,6 +350,11 @@ int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q
 
 static inline float round_to(float v, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* Whether a per-row op of `rows` x `row_elems` is worth both threads: a fork and join costs ~0.7 us
+ * here, what ~2k elements of a norm, the rotary or SiLU x up take on one core (Sapphire Rapids class). */
+#define SPLIT_ELEMS 2048
+static inline int split_rows(int rows, int64_t row_elems) { return rows > 1 && rows * row_elems >= SPLIT_ELEMS; }
+
 /* Each fused op is a per-row function of a constant dtype, called from the parallel loop in both
  * instantiations: with the dtype known, its conversions and roundings vectorize. */
 #define INLINE static inline __attribute__((always_inline))
@@ -382,7 +387,7 @@ INLINE void rms_norm_row(const void *x, const void *residual, void *summed, cons
 int pagoda_rms_norm(const void *x, const void *residual, void *summed, const void *weight, void *out, int rows,
                     int hidden, float eps, int dtype, int num_threads) {
     if (hidden > MAX_HIDDEN) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, hidden))
     for (int r = 0; r < rows; r++)
         PER_DTYPE(rms_norm_row, x, residual, summed, weight, out, (int64_t)r * hidden, hidden, eps);
     return 0;
@@ -404,7 +409,7 @@ INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter,
 }
 
 int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter > 4096)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, inter))
     for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
     return 0;
 }
@@ -455,7 +460,7 @@ static void argmax_logsumexp_row(const float *x, int vocab, int64_t *index, floa
 int pagoda_argmax_logsumexp(const float *logits, int rows, int vocab, int64_t *index, float *log_norm,
                             int num_threads) {
     int left = 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1) reduction(+ : left)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, vocab)) reduction(+ : left)
     for (int r = 0; r < rows; r++) {
         argmax_logsumexp_row(logits + (int64_t)r * vocab, vocab, index + r, log_norm + r);
         left += index[r] < 0;
@@ -925,10 +930,11 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
             pagoda_rms_norm(hidden, residual, residual, L->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
         }
         status |= run_linear(s->qkv_kernel, dtype, normed, &L->qkv, qkv_or_gate_up, rows, qkv_size, s->hidden, num_threads);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-        for (int r = 0; r < rows; r++) /* q and k heads rotate together: they are side by side */
-            rotate(qkv_or_gate_up, (int64_t)r * qkv_size, s->num_heads + s->num_kv_heads, hd, cos32 + (int64_t)r * hd,
-                   sin32 + (int64_t)r * hd, dtype);
+        const int rotated = s->num_heads + s->num_kv_heads; /* q and k heads rotate together: side by side */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, (int64_t)rotated * hd))
+        for (int r = 0; r < rows; r++)
+            rotate(qkv_or_gate_up, (int64_t)r * qkv_size, rotated, hd, cos32 + (int64_t)r * hd, sin32 + (int64_t)r * hd,
+                   dtype);
         const char *k = (const char *)qkv_or_gate_up + (size_t)q_size * elem, *v = k + (size_t)kv_size * elem;
         pagoda_store_kv(k, qkv_size, v, qkv_size, L->k_cache, L->v_cache, slots, rows, kv_size, num_slots, dtype);
         const int attended = pagoda_paged_decode_attention(
