@@ -3,8 +3,9 @@
     benchmarks/setup_peers.sh                        # once: the peers, each in a venv of its own
     .venv/bin/python benchmarks/peer_serve.py --out benchmarks/results/peer_serve
 
-Servers (same model: the embedded SmolLM2-135M-Instruct; the HF folder is written once from its GGUF,
-so every server reads the same weights):
+Servers (same model: the embedded SmolLM2-135M-Instruct; the HF folders are written once from its GGUF,
+so every server reads the same weights): an fp32 checkpoint (the GGUF's values), and the same weights
+rounded to bf16 saved in bf16 (as SmolLM2's published checkpoint is), which the fp32 rows serve too:
 - `pagoda serve` with no flags (the GGUF: bf16 on CPUs with native bf16, its Q4/Q8 weights for
   few-row steps), and `pagoda serve --model <HF folder> --dtype D` for each dtype D;
 - `transformers serve --continuous-batching --dtype D` on the HF folder;
@@ -96,28 +97,31 @@ class Server:
     model: str  # the name requests carry
     env: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = True  # transformers serve refuses the field (422)
-    dense_dtype: str | None = None  # pagoda on an HF folder: its one stream is set against the floor
+    weight_bytes: int = 0  # pagoda on an HF folder: bytes a weight needs; its one stream meets the floor
     results: dict[str, dict] = field(default_factory=dict)
 
 
-def hf_folder_from_gguf(folder: Path) -> Path:
+def hf_folder_from_gguf(folder: Path, dtype: str = "float32") -> Path:
     """The embedded GGUF, dequantized (transformers' GGUF reader, via pagoda's loader), as an HF folder
-    of safetensors; written once."""
+    of safetensors in `dtype`; written once."""
     if (folder / "config.json").is_file():
         return folder
+    import torch
     from pagoda.server.engine.loader import load_model
     from safetensors.torch import save_file
 
     loaded = load_model(None, dtype="float32")
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in loaded.model.checkpoint_targets().items()}
+    cast = getattr(torch, dtype)
+    tensors = {name: t.to(cast).contiguous() for name, t in loaded.model.checkpoint_targets().items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded.hf_config.torch_dtype = dtype
     loaded.hf_config.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return folder
 
 
-def servers(dtypes: list[str], folder: Path, cores: int) -> list[Server]:
+def servers(dtypes: list[str], folder: Path, bf16_folder: Path, cores: int) -> list[Server]:
     from pagoda.server.engine.loader import default_gguf_path
 
     pagoda = [str(ROOT / ".venv" / "bin" / "pagoda"), "serve", "--host", "127.0.0.1"]
@@ -143,18 +147,21 @@ def servers(dtypes: list[str], folder: Path, cores: int) -> list[Server]:
             "smollm2",
         ),
     ]
-    for dtype in dtypes:
+    rows = [(dtype, folder, "") for dtype in dtypes]
+    if "float32" in dtypes:  # fp32 on a checkpoint of bf16 values: pagoda keeps them in bf16
+        rows.append(("float32", bf16_folder, ", bf16 checkpoint"))
+    for dtype, checkpoint, note in rows:
         found.append(
             Server(
-                f"pagoda ({dtype})",
-                [*pagoda, "--model", str(folder), "--dtype", dtype],
-                folder.name,
-                dense_dtype=dtype,
+                f"pagoda ({dtype}{note})",
+                [*pagoda, "--model", str(checkpoint), "--dtype", dtype],
+                checkpoint.name,
+                weight_bytes=2 if dtype == "bfloat16" or note else 4,
             )
         )
         found.append(
             Server(
-                f"transformers serve CB ({dtype})",
+                f"transformers serve CB ({dtype}{note})",
                 [
                     str(PEERS / "transformers" / "bin" / "transformers"),
                     "serve",
@@ -163,9 +170,9 @@ def servers(dtypes: list[str], folder: Path, cores: int) -> list[Server]:
                     "127.0.0.1",
                     "--dtype",
                     dtype,
-                    str(folder),
+                    str(checkpoint),
                 ],
-                str(folder),
+                str(checkpoint),
                 ignore_eos=False,
             )
         )
@@ -221,7 +228,7 @@ def run_server(server: Server, out: Path) -> None:
         asyncio.run(warm_up(target))
         for workload in WORKLOADS:
             # a dense row's one stream is set against the floor at the bandwidth of that moment
-            around_floor = workload is WORKLOADS[3] and server.dense_dtype is not None
+            around_floor = workload is WORKLOADS[3] and server.weight_bytes > 0
             before = dram_read_gbps() if around_floor else None
             runs = []
             for run in range(workload.runs):
@@ -281,11 +288,11 @@ def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> l
     lines = ["", f"DRAM read (1 GiB `sum`, start / end of the run): {' / '.join(f'{b:.1f}' for b in bandwidths)} GB/s"]
     for server in found:
         single = server.results.get(WORKLOADS[3].name)
-        if server.dense_dtype not in ("bfloat16", "float32") or not single:
+        if not server.weight_bytes or not single:
             continue
         around = single.get("dram_read_gbps") or bandwidths
         gbps = max(around)
-        floor_ms = params * (2 if server.dense_dtype == "bfloat16" else 4) / (gbps * 1e9) * 1e3
+        floor_ms = params * server.weight_bytes / (gbps * 1e9) * 1e3
         ratio = single["mean_tpot_ms"] / floor_ms
         lines.append(
             f"{server.label}, 1 stream: {single['mean_tpot_ms']:.1f} ms/token = {ratio:.2f}x the weight-read "
@@ -360,8 +367,9 @@ def main() -> int:
     args.out = args.out.resolve()  # servers run with the output folder as their cwd
     args.out.mkdir(parents=True, exist_ok=True)
     folder = hf_folder_from_gguf(args.out / "SmolLM2-135M-Instruct")
+    bf16_folder = hf_folder_from_gguf(args.out / "SmolLM2-135M-Instruct-bf16", "bfloat16")
     cores = len(os.sched_getaffinity(0))
-    found = servers(args.dtypes.split(","), folder, cores)
+    found = servers(args.dtypes.split(","), folder, bf16_folder, cores)
     if args.only:
         found = [s for s in found if s.label.startswith(tuple(args.only.split(",")))]
     bandwidths = [dram_read_gbps()]

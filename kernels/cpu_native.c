@@ -507,10 +507,10 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * a sequential stream per thread, where a tile's four interleaved rows plus the tile prefetch
  * reached 75-85 % of a plain read (Zen 4, SmolLM2's layers at one row: bf16 8.3 -> 7.1 ms, fp32
  * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched. */
-#define DEFINE_LINEAR(name, T, tile_fn)                                                                  \
-    int name(const T *x, const T *w, const T *bias, T *y, int M, int N, int K, int num_threads) {       \
+#define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
+    int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
         if (M == 1) {                                                                                   \
-            const int ahead = rows_ahead(K * (int64_t)sizeof(T));                                       \
+            const int ahead = rows_ahead(K * (int64_t)sizeof(WT));                                      \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
             for (int n = 0; n < N; n++) /* the row ahead a line per step: the tile's own prefetch */    \
                 tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,                  \
@@ -523,8 +523,9 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                           \
         for (int tile = 0; tile < tiles; tile++) {                                                      \
             const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
-            const T *wn = w + (int64_t)n0 * K, *bn = bias ? bias + n0 : 0;                               \
-            const T *ahead = tile + tiles_ahead < tiles ? wn + (int64_t)tiles_ahead * TILE * K : 0;     \
+            const WT *wn = w + (int64_t)n0 * K;                                                          \
+            const T *bn = bias ? bias + n0 : 0;                                                         \
+            const WT *ahead = tile + tiles_ahead < tiles ? wn + (int64_t)tiles_ahead * TILE * K : 0;    \
             const int beyond = N - n0 - tiles_ahead * TILE, ahead_rows = beyond < TILE ? beyond : TILE; \
             for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
                 const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
@@ -536,7 +537,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
                 /* SmolLM2's weights, Sapphire Rapids class; lines asked for twice cost 3-14 %) */       \
                 const int first = m0 / TILE * share, left = ahead_rows - first;                         \
                 const int pf_rows = left < share ? left : share;                                        \
-                const T *pf = ahead && pf_rows > 0 ? ahead + (int64_t)first * K : 0;                    \
+                const WT *pf = ahead && pf_rows > 0 ? ahead + (int64_t)first * K : 0;                   \
                 switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
                     TILE_CASES(tile_fn)                                                                 \
                 }                                                                                       \
@@ -553,6 +554,12 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
     TILE_CASE(f, 4, 1) TILE_CASE(f, 4, 2) TILE_CASE(f, 4, 3) TILE_CASE(f, 4, 4)
 
 #if defined(__AVX512F__)
+/* A tile's accumulators, one vector per (row, output), zeroed. */
+#define TILE_ACCUMULATORS(acc, MB, NB)                                                       \
+    __m512 acc[TILE][TILE];                                                                  \
+    for (int m = 0; m < MB; m++)                                                             \
+        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+
 /* The row sums of acc[m][0..NB) for the tile's rows, in out[m][n]. */
 #define TILE_SUMS(acc, out, MB, NB)                                                          \
     for (int m = 0; m < MB; m++) {                                                           \
@@ -589,9 +596,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
                                                             const uint16_t *bias, uint16_t *y, int K,
                                                             int ldy, const int MB, const int NB,
                                                             const uint16_t *next, int next_rows) {
-    __m512 acc[TILE][TILE];
-    for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    TILE_ACCUMULATORS(acc, MB, NB)
     int k = 0;
     for (; k + 32 <= K; k += 32) {
         PREFETCH_NEXT(next, next_rows, K, k)
@@ -628,7 +633,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
             y[(int64_t)m * ldy + n] = f32_to_bf16(sums[m][n] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
 }
 
-DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, tile_bf16)
+DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
 #else
 int pagoda_has_bf16_linear(void) { return 0; }
 int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N,
@@ -784,12 +789,25 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
 #if defined(__AVX512F__)
 int pagoda_has_f32_linear(void) { return 1; }
 
+/* acc's row sums (+ bias) into y: the epilogue of both fp32 tiles. */
+INLINE void store_tile_f32(__m512 acc[TILE][TILE], const float *bias, float *y, int ldy, const int MB, const int NB) {
+    if (NB == TILE) { /* a row's four outputs summed and biased as one vector */
+        for (int m = 0; m < MB; m++) {
+            const __m128 sums = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+            _mm_storeu_ps(y + (int64_t)m * ldy, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
+        }
+        return;
+    }
+    float sums[TILE][TILE];
+    TILE_SUMS(acc, sums, MB, NB)
+    for (int m = 0; m < MB; m++)
+        for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = bias ? sums[m][n] + bias[n] : sums[m][n];
+}
+
 static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
                                                            float *y, int K, int ldy, const int MB, const int NB,
                                                            const float *next, int next_rows) {
-    __m512 acc[TILE][TILE];
-    for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    TILE_ACCUMULATORS(acc, MB, NB)
     int k = 0;
     for (; k + 16 <= K; k += 16) {
         PREFETCH_NEXT(next, next_rows, K, k)
@@ -809,24 +827,55 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, const
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
         }
     }
-    if (NB == TILE) { /* a row's four outputs summed and biased as one vector */
-        for (int m = 0; m < MB; m++) {
-            const __m128 sums = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-            _mm_storeu_ps(y + (int64_t)m * ldy, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
-        }
-        return;
-    }
-    float sums[TILE][TILE];
-    TILE_SUMS(acc, sums, MB, NB)
-    for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = bias ? sums[m][n] + bias[n] : sums[m][n];
+    store_tile_f32(acc, bias, y, ldy, MB, NB);
 }
 
-DEFINE_LINEAR(pagoda_linear_f32, float, tile_f32)
+DEFINE_LINEAR(pagoda_linear_f32, float, float, tile_f32)
+
+/* fp32 rows against bf16 weights widened in registers (exact: a bf16 is the top half of an fp32), for
+ * checkpoints whose weights are bf16 values served in fp32: the arithmetic and the order of the sums
+ * are tile_f32's on the widened weights, bit for bit, from half the bytes. 32 inputs a step: one
+ * 64-byte load per weight row, so the tile prefetch asks for each line once. */
+static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x, const uint16_t *w,
+                                                                 const float *bias, float *y, int K, int ldy,
+                                                                 const int MB, const int NB,
+                                                                 const uint16_t *next, int next_rows) {
+    TILE_ACCUMULATORS(acc, MB, NB)
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        PREFETCH_NEXT(next, next_rows, K, k)
+        __m512 lo[TILE], hi[TILE];
+        for (int n = 0; n < NB; n++) {
+            const __m512i raw = _mm512_loadu_si512(w + (int64_t)n * K + k);
+            lo[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+            hi[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        }
+        for (int m = 0; m < MB; m++) {
+            const __m512 x_lo = load_kept(x + (int64_t)m * K + k), x_hi = load_kept(x + (int64_t)m * K + k + 16);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(x_hi, hi[n], _mm512_fmadd_ps(x_lo, lo[n], acc[m][n]));
+        }
+    }
+    for (; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = load16(w, (int64_t)n * K + k, mask, DTYPE_BF16);
+        for (int m = 0; m < MB; m++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+        }
+    }
+    store_tile_f32(acc, bias, y, ldy, MB, NB);
+}
+
+DEFINE_LINEAR(pagoda_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                       int num_threads) {
+    return -1;
+}
+int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
+                            int num_threads) {
     return -1;
 }
 #endif
@@ -842,6 +891,7 @@ struct projection {
     const uint8_t *nibbles; /* the 4-bit copy (LINEAR_INT4), if any */
     const float *scales, *mins;
     int64_t group;
+    int64_t weight_dtype; /* DTYPE_BF16 under fp32 rows: bf16 weights widened (pagoda_linear_f32_bf16w) */
 };
 
 struct decoder_layer {
@@ -873,8 +923,9 @@ static int run_linear(int kernel, int dtype, const void *x, const struct project
     if (kernel == LINEAR_INT4)
         return pagoda_linear_int4(x, p->nibbles, p->scales, p->mins, p->bias, y, M, N, K, (int)p->group, dtype, num_threads);
     if (kernel == LINEAR_AMX) return pagoda_linear_bf16_amx(x, p->weight, p->bias, y, M, N, K, num_threads);
-    return dtype == DTYPE_BF16 ? pagoda_linear_bf16(x, p->weight, p->bias, y, M, N, K, num_threads)
-                               : pagoda_linear_f32(x, p->weight, p->bias, y, M, N, K, num_threads);
+    if (dtype == DTYPE_BF16) return pagoda_linear_bf16(x, p->weight, p->bias, y, M, N, K, num_threads);
+    return p->weight_dtype == DTYPE_BF16 ? pagoda_linear_f32_bf16w(x, p->weight, p->bias, y, M, N, K, num_threads)
+                                         : pagoda_linear_f32(x, p->weight, p->bias, y, M, N, K, num_threads);
 }
 
 /* x * cos + rotate_half(x) * sin for each head of a token, in place, rounded after each op as torch's
@@ -970,9 +1021,7 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
 INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
                       const void *bias, void *y, int K, int group, int ldy, int n0, const int MB, const int NB,
                       const int dtype) {
-    __m512 acc[TILE][TILE];
-    for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) acc[m][n] = _mm512_setzero_ps();
+    TILE_ACCUMULATORS(acc, MB, NB)
     const int groups = K / group, chunks = group / 32;
     const __m512i low = _mm512_set1_epi32(0x0f);
     for (int g = 0; g < groups; g++)

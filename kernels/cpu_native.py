@@ -95,7 +95,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_paged_decode_attention.argtypes = [
         p, i64, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32
     ]
-    for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32"):
+    for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32", "pagoda_linear_f32_bf16w"):
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
@@ -214,22 +214,30 @@ def has_avx512() -> bool:
     return lib is not None and lib.pagoda_has_avx512() == 1
 
 
-def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> int | None:
-    """The native kernel that computes rows x weightᵀ (+ bias) faster than torch's GEMM (LINEAR_DOT or
-    LINEAR_AMX), or None where none does or takes the tensors: the one rule for both `linear` and the
-    fused decode layers."""
+def widens(weight_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """The fp32 kernels read a bf16 weight as it is (widened in registers, exactly): a checkpoint of
+    bf16 values served in fp32 keeps its weights in bf16 (`layers/bf16_storage.py`)."""
+    return weight_dtype == torch.bfloat16 and dtype == torch.float32
+
+
+def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, dtype: torch.dtype) -> int | None:
+    """The native kernel that computes rows (in `dtype`) x weightᵀ (+ bias) faster than torch's GEMM
+    (LINEAR_DOT or LINEAR_AMX), or None where none does or takes the tensors: the one rule for both
+    `linear` and the fused decode layers."""
     if weight.device.type != "cpu":
         return None  # checked first: a GPU process never builds the library
     lib = library()
-    if lib is None or weight.dtype not in DTYPES or not weight.is_contiguous():
+    if lib is None or dtype not in DTYPES or not weight.is_contiguous():
         return None
-    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+    if weight.dtype != dtype and not widens(weight.dtype, dtype):
+        return None
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
     out_features, in_features = weight.shape
-    if rows <= max_rows(lib, weight.dtype):
+    if rows <= max_rows(lib, dtype):
         return LINEAR_DOT
     amx_takes = in_features % 32 == 0 and out_features >= 16
-    if weight.dtype == torch.bfloat16 and lib.amx and rows <= AMX_MAX_ROWS and amx_takes:
+    if weight.dtype == dtype == torch.bfloat16 and lib.amx and rows <= AMX_MAX_ROWS and amx_takes:
         return LINEAR_AMX
     return None
 
@@ -238,14 +246,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for decode-sized steps."""
     out_features, in_features = weight.shape
     num_rows = x.numel() // in_features
-    kernel = linear_kernel(weight, bias, num_rows) if x.dtype == weight.dtype else None
+    kernel = linear_kernel(weight, bias, num_rows, x.dtype)
     if kernel is None:
         return None
     lib = library()
     if kernel == LINEAR_AMX:
         run = lib.pagoda_linear_bf16_amx
+    elif x.dtype == torch.bfloat16:
+        run = lib.pagoda_linear_bf16
     else:
-        run = lib.pagoda_linear_bf16 if x.dtype == torch.bfloat16 else lib.pagoda_linear_f32
+        run = lib.pagoda_linear_f32_bf16w if widens(weight.dtype, x.dtype) else lib.pagoda_linear_f32
     rows = x.reshape(num_rows, in_features).contiguous()
     y = torch.empty(num_rows, out_features, dtype=x.dtype)
     status = run(rows.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
@@ -407,11 +417,12 @@ class Projection:
     mins: torch.Tensor | None = None
     group: int = 0
 
-    def kernel(self, rows: int) -> int | None:
+    def kernel(self, rows: int, dtype: torch.dtype) -> int | None:
+        """The native kernel for `rows` rows in `dtype` (None: torch's)."""
         if rows <= self.low_bit_rows:
             native = self.nibbles is not None and _int4_layout(self.nibbles, self.scales, self.mins)
             return LINEAR_INT4 if native else None
-        return linear_kernel(self.weight, self.bias, rows)
+        return linear_kernel(self.weight, self.bias, rows, dtype)
 
 
 @dataclass(frozen=True)
@@ -433,13 +444,15 @@ class DecoderLayerWeights:
 
 class _Projection(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("weight", "bias", "nibbles", "scales", "mins")] + [
-        ("group", ctypes.c_int64)
+        ("group", ctypes.c_int64),
+        ("weight_dtype", ctypes.c_int64),
     ]
 
     def point_at(self, projection: Projection) -> None:
         self.weight, self.bias = projection.weight.data_ptr(), _ptr(projection.bias)
         self.nibbles, self.scales, self.mins = (_ptr(t) for t in (projection.nibbles, projection.scales, projection.mins))
         self.group = projection.group
+        self.weight_dtype = DTYPES[projection.weight.dtype]
 
 
 class _Layer(ctypes.Structure):
@@ -494,7 +507,7 @@ class DecodeLayers:
     def kernels(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native kernel of each projection at `rows` rows; None if another would run one."""
         if rows not in self._kernels:
-            per_layer = {tuple(p.kernel(rows) for p in layer.projections()) for layer in self.weights}
+            per_layer = {tuple(p.kernel(rows, self.dtype) for p in layer.projections()) for layer in self.weights}
             kernels = per_layer.pop() if len(per_layer) == 1 else None
             self._kernels[rows] = None if kernels is None or None in kernels else kernels
         return self._kernels[rows]

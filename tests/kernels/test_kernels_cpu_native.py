@@ -77,6 +77,20 @@ def test_linear_matches_torch(dtype, rows, out_features, in_features, generator)
     assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64, 256])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50), (9, 1536)])
+def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features, in_features, generator):
+    """A bf16 weight under fp32 rows is widened in registers: the fp32 kernel's result on the widened
+    weight, bit for bit (the same products, summed in the same order), from half the bytes."""
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    y = cpu_native.linear(x, weight, bias)
+    assert y is not None and y.dtype == torch.float32
+    assert torch.equal(y, cpu_native.linear(x, weight.float(), bias))
+    assert cpu_native.linear(x.bfloat16(), weight, bias) is None  # an fp32 bias under bf16 rows: torch's
+
+
 def test_linear_declines_many_rows_and_other_devices():
     weight = torch.randn(64, 64)
     rows = cpu_native.max_rows(cpu_native.library(), torch.float32) + 1

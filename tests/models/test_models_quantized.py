@@ -117,4 +117,4 @@ def test_a_cast_int4_weight_still_multiplies():
     got = layer.low_bit.matmul(x.bfloat16(), None)
     assert got.dtype == torch.bfloat16
     assert (got.float() - expected).abs().max() <= 2**-6 * expected.abs().max()
-    assert layer.native_projection().kernel(1) is None
+    assert layer.native_projection().kernel(1, torch.bfloat16) is None

@@ -65,7 +65,7 @@ def project(
     if low_bit is not None and few_rows(x, weight.shape[1]):
         return low_bit.matmul(x, bias)
     y = cpu_native.linear(x, weight, bias)  # None: not a CPU step of few rows it takes
-    return F.linear(x, weight, bias) if y is None else y
+    return F.linear(x, weight.to(x.dtype), bias) if y is None else y  # bf16 storage: widened
 
 
 class MergedLinear(Linear):

@@ -177,7 +177,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a table kept in bf16: widened
         rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
         native = self.native_decode(hidden, rope, attn_metadata, kv_caches)  # CPU decode steps
         if native is not None:
@@ -209,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (the weights may be stored narrower: `layers/bf16_storage.py`)."""
+        return self.model.norm.weight.dtype
 
     @property
     def vocab_size(self) -> int:
