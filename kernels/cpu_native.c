@@ -501,6 +501,9 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * its hardware prefetcher alone left the one-row kernels at 60-75 % of that (Sapphire Rapids class,
  * SmolLM2 at one row: bf16 layers + head 14.8 -> 10.3-11.0 ms, the 4-bit layers 12.4 -> 6.8 ms). */
 #define ROW_AHEAD_BYTES 16384
+/* Rows a pass over the weights takes at most: a longer step runs as passes of this many rows, each
+ * reading the weights once more (from DRAM: ~1 % of a 256-row pass's arithmetic). */
+#define ROW_BLOCK 256
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
@@ -509,6 +512,12 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched. */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
+        if (M > ROW_BLOCK) { /* blocks of rows that stay in L2 while every weight tile passes by */     \
+            for (int r0 = 0; r0 < M; r0 += ROW_BLOCK)                                                   \
+                name(x + (int64_t)r0 * K, w, bias, y + (int64_t)r0 * N, M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK, \
+                     N, K, num_threads);                                                                \
+            return 0;                                                                                   \
+        }                                                                                               \
         if (M == 1) {                                                                                   \
             const int ahead = rows_ahead(K * (int64_t)sizeof(WT));                                      \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
