@@ -18,6 +18,7 @@
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <omp.h>
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
@@ -86,6 +87,23 @@ static inline __m512 load_kept(const float *p) {
     __m512 v = _mm512_loadu_ps(p);
     __asm__("" : "+v"(v));
     return v;
+}
+
+/* r[0..16) rows of 16 32-bit values -> their transpose, in registers (unpack, shuffle within and
+ * across 128-bit lanes): AMX's C tiles to rows and rows to VNNI pairs, weight rows to the fp32 panels. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
 }
 
 static inline __m512 load16(const void *base, int64_t offset, __mmask16 mask, const int dtype) {
@@ -501,9 +519,6 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * its hardware prefetcher alone left the one-row kernels at 60-75 % of that (Sapphire Rapids class,
  * SmolLM2 at one row: bf16 layers + head 14.8 -> 10.3-11.0 ms, the 4-bit layers 12.4 -> 6.8 ms). */
 #define ROW_AHEAD_BYTES 16384
-/* Rows a pass over the weights takes at most: a longer step runs as passes of this many rows, each
- * reading the weights once more (from DRAM: ~1 % of a 256-row pass's arithmetic). */
-#define ROW_BLOCK 256
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
@@ -512,12 +527,6 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched. */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
-        if (M > ROW_BLOCK) { /* blocks of rows that stay in L2 while every weight tile passes by */     \
-            for (int r0 = 0; r0 < M; r0 += ROW_BLOCK)                                                   \
-                name(x + (int64_t)r0 * K, w, bias, y + (int64_t)r0 * N, M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK, \
-                     N, K, num_threads);                                                                \
-            return 0;                                                                                   \
-        }                                                                                               \
         if (M == 1) {                                                                                   \
             const int ahead = rows_ahead(K * (int64_t)sizeof(WT));                                      \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
@@ -667,23 +676,6 @@ int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bia
 
 int pagoda_amx_init(void) { /* Linux hands tile state to a process only on request */
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-}
-
-/* r[0..16) rows of 16 32-bit values -> their transpose, in registers (unpack, shuffle within and
- * across 128-bit lanes): a C tile's outputs to a row's, and x's rows to the packed pairs. */
-INLINE void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
 }
 
 struct tile_config {
@@ -839,7 +831,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, const
     store_tile_f32(acc, bias, y, ldy, MB, NB);
 }
 
-DEFINE_LINEAR(pagoda_linear_f32, float, float, tile_f32)
+DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 
 /* fp32 rows against bf16 weights widened in registers (exact: a bf16 is the top half of an fp32), for
  * checkpoints whose weights are bf16 values served in fp32: the arithmetic and the order of the sums
@@ -876,7 +868,104 @@ static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x,
     store_tile_f32(acc, bias, y, ldy, MB, NB);
 }
 
-DEFINE_LINEAR(pagoda_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
+DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
+
+/* ---- Many fp32 rows: weight panels packed, an outer-product register tile ----------------------
+ * The dot-product tiles above reduce each output across its 16 lanes at the end and, past a few dozen
+ * rows, reload the rows from L2 for every 4 outputs: ~60-75 % of the FMA peak. Here each thread packs
+ * 32 outputs' weights at a time into a panel [K][32] (16 x 16 blocks transposed in registers, bf16
+ * widened exactly), and 12 rows at a time broadcast their inputs against it: 24 accumulators, 2
+ * panel loads and 12 broadcasts per 24 FMAs, no reductions; the panel stays in L2 while every row
+ * block passes. Each output is the fp32 sum over k in order. From 256 rows, where it is ahead (Zen 5,
+ * SmolLM2's projections: 321-378 GFLOP/s at 256-2,048 rows against the dot-product tiles' 263-327,
+ * behind them at 48-128 rows, 175-294 against 290-359, packing a panel per 32 outputs included). */
+#define PANEL 32
+#define PANEL_ROWS 12
+#define PACKED_MIN_ROWS 256
+
+INLINE void pack_panel(const void *w, const int wdtype, int64_t n0, int NB, int K, float *panel) {
+    for (int j0 = 0; j0 < PANEL; j0 += 16)
+        for (int k = 0; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = j0 + i < NB ? load16(w, (n0 + j0 + i) * K + k, mask, wdtype) : _mm512_setzero_ps();
+            transpose16(r); /* r[kk]: input k + kk of the 16 outputs */
+            for (int kk = 0; kk < 16 && k + kk < K; kk++) _mm512_store_ps(panel + (int64_t)(k + kk) * PANEL + j0, r[kk]);
+        }
+}
+
+INLINE void panel_tile(const float *x, int K, const float *panel, const float *bias, float *y, int ldy, int NB,
+                       const int MB) {
+    __m512 acc[PANEL_ROWS][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const __m512 lo = _mm512_load_ps(panel + (int64_t)k * PANEL), hi = _mm512_load_ps(panel + (int64_t)k * PANEL + 16);
+        for (int m = 0; m < MB; m++) {
+            const __m512 a = _mm512_set1_ps(x[(int64_t)m * K + k]);
+            acc[m][0] = _mm512_fmadd_ps(a, lo, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(a, hi, acc[m][1]);
+        }
+    }
+    const __mmask16 lo_mask = NB >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << NB) - 1);
+    const __mmask16 hi_mask = NB >= 32 ? (__mmask16)0xffff : NB > 16 ? (__mmask16)((1u << (NB - 16)) - 1) : 0;
+    const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
+    const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; m++) {
+        _mm512_mask_storeu_ps(y + (int64_t)m * ldy, lo_mask, bias ? _mm512_add_ps(acc[m][0], b_lo) : acc[m][0]);
+        _mm512_mask_storeu_ps(y + (int64_t)m * ldy + 16, hi_mask, bias ? _mm512_add_ps(acc[m][1], b_hi) : acc[m][1]);
+    }
+}
+
+static int packed_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
+                             int N, int K, int num_threads) {
+    const int panels = (N + PANEL - 1) / PANEL;
+    const size_t panel_floats = (size_t)K * PANEL;
+    float *scratch = aligned_alloc(64, (size_t)num_threads * panel_floats * sizeof(float));
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *panel = scratch + (size_t)omp_get_thread_num() * panel_floats;
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const int n0 = p * PANEL, NB = N - n0 < PANEL ? N - n0 : PANEL;
+            pack_panel(w, wdtype, n0, NB, K, panel);
+            const float *bp = bias ? bias + n0 : 0;
+            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+                const float *xm = x + (int64_t)m0 * K;
+                float *ym = y + (int64_t)m0 * N + n0;
+                switch (M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS) { /* constant row counts: registers */
+                case 1: panel_tile(xm, K, panel, bp, ym, N, NB, 1); break;
+                case 2: panel_tile(xm, K, panel, bp, ym, N, NB, 2); break;
+                case 3: panel_tile(xm, K, panel, bp, ym, N, NB, 3); break;
+                case 4: panel_tile(xm, K, panel, bp, ym, N, NB, 4); break;
+                case 5: panel_tile(xm, K, panel, bp, ym, N, NB, 5); break;
+                case 6: panel_tile(xm, K, panel, bp, ym, N, NB, 6); break;
+                case 7: panel_tile(xm, K, panel, bp, ym, N, NB, 7); break;
+                case 8: panel_tile(xm, K, panel, bp, ym, N, NB, 8); break;
+                case 9: panel_tile(xm, K, panel, bp, ym, N, NB, 9); break;
+                case 10: panel_tile(xm, K, panel, bp, ym, N, NB, 10); break;
+                case 11: panel_tile(xm, K, panel, bp, ym, N, NB, 11); break;
+                default: panel_tile(xm, K, panel, bp, ym, N, NB, 12); break;
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                      int num_threads) {
+    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
+                                : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
+}
+
+int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
+                            int num_threads) {
+    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
+                                : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
+}
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,

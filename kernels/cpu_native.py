@@ -191,9 +191,9 @@ def paged_decode_attention(
 # 1.1-1.5x, fp32 1.1-3x), even with oneDNN around 256 rows, where a mixed step (a prompt joining 15
 # decodes) then runs all its layers in one native call: 185 rows bf16 170 -> 150 ms; the fp32
 # workload of benchmarks/peer_serve.py ~2 % faster offline at 256 rows than at 128. oneDNN wins past
-# them in bf16. In fp32 without AMX the dot-product kernel takes every step, past 256 rows as passes
-# of 256 (`ROW_BLOCK`): Zen 5, SmolLM2's projections at 311-2048 rows, 263-304 GFLOP/s against
-# oneDNN's 157-170 (its bf16 one wins there from 128 rows: 546-736 against 477-506).
+# them in bf16. In fp32 without AMX the native kernels take every step, from 256 rows the packed
+# outer-product one (`PACKED_MIN_ROWS`): Zen 5, SmolLM2's projections at 256-2,048 rows, 301-378
+# GFLOP/s against oneDNN's 157-170 (its bf16 one wins there from 128 rows: 546-736 against 477-506).
 AMX_MAX_ROWS = 512
 DOT_BF16_MAX_ROWS = 256
 DOT_F32_MAX_ROWS = 2**31 - 1  # every step
