@@ -201,7 +201,8 @@ AMX_CPU_F32_MAX_ROWS = 128
 
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
-    """Rows up to which the AVX-512 dot-product kernel of `dtype` runs (0: never)."""
+    """Rows up to which the AVX-512 kernel of `dtype` (`pagoda_linear_bf16` / `_f32`: dot-product tiles,
+    for fp32 from PACKED_MIN_ROWS packed panels) runs (0: never)."""
     if dtype == torch.bfloat16:
         return 0 if not lib.pagoda_has_bf16_linear() else 1 if lib.amx else DOT_BF16_MAX_ROWS
     return 0 if not lib.pagoda_has_f32_linear() else AMX_CPU_F32_MAX_ROWS if lib.amx else DOT_F32_MAX_ROWS
@@ -245,7 +246,8 @@ def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, dt
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), for decode-sized steps."""
+    """x [..., K] @ weight [N, K]ᵀ (+ bias) in x's dtype (fp32 accumulation), where `linear_kernel` has a
+    native kernel for the step; else None."""
     out_features, in_features = weight.shape
     num_rows = x.numel() // in_features
     kernel = linear_kernel(weight, bias, num_rows, x.dtype)

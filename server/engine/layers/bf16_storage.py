@@ -1,8 +1,8 @@
 """fp32 serving of a checkpoint whose weights are bf16 values (as most published checkpoints ship):
 the projections, the embedding and the LM head keep those weights in bf16, which loses nothing, and
 the native fp32 kernels widen them in registers (`cpu_native.widens`), so every product and sum is
-the fp32 one while a decode step reads half the bytes. The norms and biases (small) stay fp32; steps
-torch's GEMM computes (long prefills) widen the weight for the call.
+the fp32 one while a decode step reads half the bytes. The norms and biases (small) stay fp32; a
+step torch's GEMM computes (with AMX: fp32 past 128 rows) widens the weight for the call.
 """
 
 from __future__ import annotations
