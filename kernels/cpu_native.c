@@ -106,11 +106,11 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
         r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
 }
 
+/* 16 bf16 values as fp32, exactly: a bf16 is the top half of an fp32. */
+static inline __m512 widen_bf16(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+
 static inline __m512 load16(const void *base, int64_t offset, __mmask16 mask, const int dtype) {
-    if (dtype == DTYPE_BF16) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + offset);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
+    if (dtype == DTYPE_BF16) return widen_bf16(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + offset));
     return _mm512_maskz_loadu_ps(mask, (const float *)base + offset);
 }
 
@@ -848,8 +848,7 @@ static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x,
         __m512 lo[TILE], hi[TILE];
         for (int n = 0; n < NB; n++) {
             const __m512i raw = _mm512_loadu_si512(w + (int64_t)n * K + k);
-            lo[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-            hi[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+            lo[n] = widen_bf16(_mm512_castsi512_si256(raw)), hi[n] = widen_bf16(_mm512_extracti64x4_epi64(raw, 1));
         }
         for (int m = 0; m < MB; m++) {
             const __m512 x_lo = load_kept(x + (int64_t)m * K + k), x_hi = load_kept(x + (int64_t)m * K + k + 16);
@@ -934,20 +933,12 @@ static int packed_linear_f32(const float *x, const void *w, const int wdtype, co
             for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
                 const float *xm = x + (int64_t)m0 * K;
                 float *ym = y + (int64_t)m0 * N + n0;
+#define PANEL_CASE(mb) case mb: panel_tile(xm, K, panel, bp, ym, N, NB, mb); break;
                 switch (M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS) { /* constant row counts: registers */
-                case 1: panel_tile(xm, K, panel, bp, ym, N, NB, 1); break;
-                case 2: panel_tile(xm, K, panel, bp, ym, N, NB, 2); break;
-                case 3: panel_tile(xm, K, panel, bp, ym, N, NB, 3); break;
-                case 4: panel_tile(xm, K, panel, bp, ym, N, NB, 4); break;
-                case 5: panel_tile(xm, K, panel, bp, ym, N, NB, 5); break;
-                case 6: panel_tile(xm, K, panel, bp, ym, N, NB, 6); break;
-                case 7: panel_tile(xm, K, panel, bp, ym, N, NB, 7); break;
-                case 8: panel_tile(xm, K, panel, bp, ym, N, NB, 8); break;
-                case 9: panel_tile(xm, K, panel, bp, ym, N, NB, 9); break;
-                case 10: panel_tile(xm, K, panel, bp, ym, N, NB, 10); break;
-                case 11: panel_tile(xm, K, panel, bp, ym, N, NB, 11); break;
-                default: panel_tile(xm, K, panel, bp, ym, N, NB, 12); break;
+                    PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
+                    PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
                 }
+#undef PANEL_CASE
             }
         }
     }

@@ -308,7 +308,7 @@ def load_model(
         from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 
         quantize_from_gguf(model, source.path, dtype)
-    if tp.size == 1 and bf16_storage.takes(model, dtype):
+    if tp.size == 1 and bf16_storage.takes(device, dtype):
         bf16_storage.keep_bf16_weights(model)
     if device.type == "cpu":
         move_to_huge_pages(model)

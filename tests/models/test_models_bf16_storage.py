@@ -56,7 +56,7 @@ def test_bf16_values_stay_bf16_under_fp32(bf16_checkpoint, tiny_llama_dir):
 @pytest.mark.parametrize("native", [True, False])
 def test_logits_and_kv_equal_the_fp32_weights(bf16_checkpoint, native, monkeypatch):
     narrow = load_model(bf16_checkpoint, dtype="float32").model
-    monkeypatch.setattr(bf16_storage, "takes", lambda model, dtype: False)
+    monkeypatch.setattr(bf16_storage, "takes", lambda device, dtype: False)
     wide = load_model(bf16_checkpoint, dtype="float32").model
     assert wide.model.embed_tokens.weight.dtype == torch.float32
     sequences = _sequences(narrow.cfg.vocab_size)

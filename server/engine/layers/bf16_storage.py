@@ -18,11 +18,12 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def takes(model: nn.Module, dtype: torch.dtype) -> bool:
+def takes(device: torch.device, dtype: torch.dtype) -> bool:
     """fp32 on a CPU whose native fp32 kernels run: where a bf16 weight is read as fast as its bytes."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return False  # checked first: a GPU process never builds the library
     lib = cpu_native.library()
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    return dtype == torch.float32 and on_cpu and lib is not None and bool(lib.pagoda_has_f32_linear())
+    return lib is not None and bool(lib.pagoda_has_f32_linear())
 
 
 def keep_bf16_weights(model: nn.Module) -> int:
