@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]  # as in e2e/local.py: the emulator and tiny models
+sys.path.insert(0, str(REPO / "tests"))  # as in e2e/local.py: the emulator and tiny models,
+sys.path.append(str(REPO))  # and the repo root last (its `kernels/` must not shadow transformers' own)
 
 from e2e.local import build_model  # noqa: E402
 

@@ -32,9 +32,11 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 # The emulator and the tiny model builder live with the tests; `e2e` is a folder of the repo, not of
-# the installed package. Added now, after the stdlib is loaded, so the repo's `operator/` folder
-# cannot shadow the stdlib module (why scripts run with PYTHONSAFEPATH).
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]
+# the installed package. The repo root goes last: its `operator/` and `kernels/` folders must not
+# shadow the stdlib's `operator` or the `kernels` package that transformers imports (why scripts run
+# with PYTHONSAFEPATH).
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.append(str(REPO))
 
 import kmock  # noqa: E402
 from pagoda.operator import crd  # noqa: E402
