@@ -16,7 +16,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_AVX2 1 /* the 8-lane kernels: x86 CPUs without AVX-512 (Haswell to Alder Lake, Zen 1-3) */
+#endif
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 #include <immintrin.h>
 #include <omp.h>
 #endif
@@ -144,6 +147,87 @@ static inline void store16(void *base, int64_t offset, __m512 v, __mmask16 mask,
         _mm512_mask_storeu_ps((float *)base + offset, mask, v);
 }
 
+#elif defined(PAGODA_AVX2)
+/* AVX2 helpers: 8 fp32 lanes, tails by a lane mask (`n` valid lanes, 8 or more: all), exp as
+ * exp_avx512 (the same range reduction and polynomial). */
+static inline __m256i lanes_below(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* 8 bf16 values as fp32, exactly: a bf16 is the top half of an fp32. */
+static inline __m256 widen8_bf16(__m128i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)); }
+
+static inline __m256 load8(const void *base, int64_t offset, int n, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        if (n >= 8) return widen8_bf16(_mm_loadu_si128((const __m128i *)p));
+        uint16_t part[8] = {0};
+        memcpy(part, p, (size_t)n * sizeof *p);
+        return widen8_bf16(_mm_loadu_si128((const __m128i *)part));
+    }
+    const float *p = (const float *)base + offset;
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(n));
+}
+
+static inline __m256i bf16_bits8(__m256 v) { /* round to nearest even, quiet NaN: as torch */
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+static inline __m256 round8(__m256 v, const int dtype) {
+    return dtype == DTYPE_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)) : v;
+}
+
+static inline void store8(void *base, int64_t offset, __m256 v, int n, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const __m256i bits = bf16_bits8(v);
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+        uint16_t *p = (uint16_t *)base + offset;
+        if (n >= 8) {
+            _mm_storeu_si128((__m128i *)p, packed);
+        } else {
+            uint16_t part[8];
+            _mm_storeu_si128((__m128i *)part, packed);
+            memcpy(p, part, (size_t)n * sizeof *p);
+        }
+        return;
+    }
+    float *p = (float *)base + offset;
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, lanes_below(n), v);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The four sums of a, b, c, d (one output each) as one vector. */
+static inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
 #endif
 
 int pagoda_max_head_dim(void) { return MAX_HEAD_DIM; }
@@ -431,6 +515,23 @@ int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dty
     for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
     return 0;
 }
+#elif defined(PAGODA_AVX2)
+INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter, const int dtype) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int i = 0; i < inter; i += 8) {
+        const int n = inter - i;
+        const __m256 gate = load8(gate_up, row * 2 * inter + i, n, dtype);
+        const __m256 up = load8(gate_up, row * 2 * inter + inter + i, n, dtype);
+        const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, gate))));
+        store8(out, row * inter + i, _mm256_mul_ps(round8(silu, dtype), up), n, dtype);
+    }
+}
+
+int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, inter))
+    for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
+    return 0;
+}
 #else
 int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
     return -1;
@@ -473,7 +574,46 @@ static void argmax_logsumexp_row(const float *x, int vocab, int64_t *index, floa
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
     *log_norm = top + logf(_mm512_reduce_add_ps(sum));
 }
+#elif defined(PAGODA_AVX2)
+static void argmax_logsumexp_row(const float *x, int vocab, int64_t *index, float *log_norm) {
+    const __m256 lowest = _mm256_set1_ps(-INFINITY);
+    __m256 best = lowest, nan = _mm256_setzero_ps();
+    __m256i best_at = _mm256_setzero_si256(), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < vocab; i += 8) {
+        const __m256 v = vocab - i >= 8 ? _mm256_loadu_ps(x + i)
+                                        : _mm256_blendv_ps(lowest, load8(x, i, vocab - i, DTYPE_F32),
+                                                           _mm256_castsi256_ps(lanes_below(vocab - i)));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 above = _mm256_cmp_ps(v, best, _CMP_GT_OQ); /* strictly: a lane keeps its first */
+        best = _mm256_blendv_ps(best, v, above);
+        best_at = _mm256_blendv_epi8(best_at, at, _mm256_castps_si256(above));
+        at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+    }
+    float lanes[8];
+    int32_t lane_at[8];
+    _mm256_storeu_ps(lanes, best);
+    _mm256_storeu_si256((__m256i *)lane_at, best_at);
+    float top = lanes[0];
+    for (int l = 1; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    if (_mm256_movemask_ps(nan) || !isfinite(top)) {
+        *index = -1;
+        return;
+    }
+    int32_t first = INT32_MAX;
+    for (int l = 0; l < 8; l++)
+        if (lanes[l] == top && lane_at[l] < first) first = lane_at[l];
+    *index = first;
+    __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256 shift = _mm256_set1_ps(top);
+    for (int i = 0, chain = 0; i < vocab; i += 8, chain = (chain + 1) & 3) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(load8(x, i, vocab - i, DTYPE_F32), shift));
+        sums[chain] = _mm256_add_ps(sums[chain], _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(vocab - i))));
+    }
+    *log_norm = top + logf(hsum8(_mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]))));
+}
+#endif
 
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 /* Returns how many rows were left to the caller. */
 int pagoda_argmax_logsumexp(const float *logits, int rows, int vocab, int64_t *index, float *log_norm,
                             int num_threads) {
@@ -586,7 +726,9 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         else                                                                                 \
             for (int n = 0; n < NB; n++) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);        \
     }
+#endif
 
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 /* The next tile's weights, `next_rows` cache lines per step of the k loop, in address order: a
  * tile's rows are contiguous, and one sequential stream runs at 30+ GB/s where a line of each row
  * per step (four interleaved streams) reached ~22 (one row, Zen 4). Into L2, not L1: a prefetch to L1
@@ -957,6 +1099,84 @@ int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias
     return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
                                 : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
 }
+#elif defined(PAGODA_AVX2)
+int pagoda_has_f32_linear(void) { return 1; }
+
+/* fp32 rows x fp32 or bf16 weights (bf16 widened, exactly), 8 lanes. AVX2 has 16 vector registers:
+ * a pass takes up to 2 rows x 4 outputs (8 accumulators, 4 weight vectors, a row's), a 3-4 row tile
+ * two passes (the second finds the weights in L1), and passes of up to 4 products keep two sets of
+ * accumulators, the even and odd 8 inputs of each 16, so two FMA chains run (a one-row step
+ * otherwise waits on one FMA's latency per 8 inputs). The tile's prefetch is PREFETCH_NEXT's, by
+ * bytes: a line of each next row per 64 bytes of weight row. */
+INLINE void pass_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int K, int ldy,
+                     const int MB, const int NB, const char *next, int next_rows) {
+    enum { SETS = 2 };
+    const int sets = MB * NB <= 4 ? 2 : 1, wsize = wdtype == DTYPE_BF16 ? 2 : 4;
+    __m256 acc[SETS][2][TILE];
+    for (int s = 0; s < sets; s++)
+        for (int m = 0; m < MB; m++)
+            for (int n = 0; n < NB; n++) acc[s][m][n] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const int64_t line = (int64_t)k * wsize / 64;
+        if (next && (int64_t)k * wsize % 64 == 0)
+            for (int r = 0; r < next_rows; r++) _mm_prefetch(next + (line * next_rows + r) * 64, _MM_HINT_T2);
+        for (int h = 0; h < 2; h++) {
+            const int s = sets == 2 ? h : 0;
+            __m256 wv[TILE];
+            for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k + 8 * h, 8, wdtype);
+            for (int m = 0; m < MB; m++) {
+                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * K + k + 8 * h);
+                for (int n = 0; n < NB; n++) acc[s][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[s][m][n]);
+            }
+        }
+    }
+    for (; k < K; k += 8) {
+        __m256 wv[TILE];
+        for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k, K - k, wdtype);
+        for (int m = 0; m < MB; m++) {
+            const __m256 xv = load8(x, (int64_t)m * K + k, K - k, DTYPE_F32);
+            for (int n = 0; n < NB; n++) acc[0][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[0][m][n]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        if (sets == 2)
+            for (int n = 0; n < NB; n++) acc[0][m][n] = _mm256_add_ps(acc[0][m][n], acc[1][m][n]);
+        if (NB == TILE) { /* a row's four outputs summed and biased as one vector */
+            const __m128 sums = sum4_avx2(acc[0][m][0], acc[0][m][1], acc[0][m][2], acc[0][m][3]);
+            _mm_storeu_ps(y + (int64_t)m * ldy, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
+        } else {
+            for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = hsum8(acc[0][m][n]) + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+#define PASS_ROWS(x, w, wdtype, bias, y, K, ldy, MB, NB, next, next_rows)                                 \
+    do {                                                                                                \
+        if ((MB) <= 2) {                                                                                \
+            pass_f32(x, w, wdtype, bias, y, K, ldy, MB, NB, (const char *)(next), next_rows);           \
+        } else {                                                                                        \
+            pass_f32(x, w, wdtype, bias, y, K, ldy, 2, NB, (const char *)(next), next_rows);            \
+            pass_f32((x) + 2 * (int64_t)(K), w, wdtype, bias, (y) + 2 * (int64_t)(ldy), K, ldy, (MB) - 2, NB, 0, 0); \
+        }                                                                                               \
+    } while (0)
+
+static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
+                                                           float *y, int K, int ldy, const int MB, const int NB,
+                                                           const float *next, int next_rows) {
+    PASS_ROWS(x, w, DTYPE_F32, bias, y, K, ldy, MB, NB, next, next_rows);
+}
+
+static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x, const uint16_t *w,
+                                                                 const float *bias, float *y, int K, int ldy,
+                                                                 const int MB, const int NB,
+                                                                 const uint16_t *next, int next_rows) {
+    PASS_ROWS(x, w, DTYPE_BF16, bias, y, K, ldy, MB, NB, next, next_rows);
+}
+#undef PASS_ROWS
+
+DEFINE_LINEAR(pagoda_linear_f32, float, float, tile_f32)
+DEFINE_LINEAR(pagoda_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
@@ -1001,11 +1221,17 @@ enum { LINEAR_DOT = 0, LINEAR_AMX = 1, LINEAR_INT4 = 2 };
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads);
 
+/* The fp32 lanes of the vector kernels built here: 16 (AVX-512), 8 (AVX2), 0 (none: SiLU x up, the
+ * low-bit kernels and the fused decode layers are not built). */
+int pagoda_vector_lanes(void) {
 #if defined(__AVX512F__)
-int pagoda_has_avx512(void) { return 1; }
+    return 16;
+#elif defined(PAGODA_AVX2)
+    return 8;
 #else
-int pagoda_has_avx512(void) { return 0; } /* SiLU x up and the 4-bit kernel are AVX-512 only */
+    return 0;
 #endif
+}
 
 static int run_linear(int kernel, int dtype, const void *x, const struct projection *p, void *y, int M, int N, int K,
                       int num_threads) {
@@ -1104,8 +1330,36 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
  * + sum_g min_g sum(x_g): the sums of x per group are taken once per row, the second sum is a short
  * dot product per output. The weights are read once per step at a quarter of bf16's bytes; the
  * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`). */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 #define INT4_MAX_GROUPS 1024
+
+/* The rows in fp32, then each row's sums of its groups of inputs (freed by the caller; NULL: no memory). */
+static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
+    const int groups = K / group;
+    float *x32 = malloc((size_t)M * (K + groups) * sizeof(float));
+    if (!x32) return 0;
+    float *xsum = x32 + (size_t)M * K;
+    for (int m = 0; m < M; m++) {
+        load_f32(x, (int64_t)m * K, dtype, x32 + (int64_t)m * K, K);
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < group; i++) s += x32[(int64_t)m * K + g * group + i];
+            xsum[m * groups + g] = s;
+        }
+    }
+    return x32;
+}
+
+/* One output: the weight's bias added, then rounded to the activations' dtype. */
+static inline void store_output(void *y, int64_t at, float v, const void *bias, int64_t n, const int dtype) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t *)y)[at] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
+    else
+        ((float *)y)[at] = bias ? v + ((const float *)bias)[n] : v;
+}
+#endif
+
+#if defined(__AVX512F__)
 
 INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
                       const void *bias, void *y, int K, int group, int ldy, int n0, const int MB, const int NB,
@@ -1152,6 +1406,7 @@ INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, con
         }
 }
 
+#if defined(__AVX512BF16__)
 /* One output of one bf16 row, the weights read start to end: each 32 nibbles become bf16 0..15 (a
  * 16-entry table lookup, exact) for one dot-product instruction with x, where widening them to fp32
  * for fused multiply-adds took twice as long at one row (SmolLM2's gate/up projections, Zen 4: 4.3 ->
@@ -1197,22 +1452,16 @@ INLINE float int4_row_bf16(const uint16_t *x, const uint8_t *q, const float *sca
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, shift));
 }
 #undef INT4_CHUNK_BF16
+#endif
 
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads) {
     if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
     const int groups = K / group;
-    float *x32 = malloc((size_t)M * (K + groups) * sizeof(float)); /* fp32 rows, then their group sums */
+    float *x32 = int4_inputs(x, M, K, group, dtype);
     if (!x32) return -1;
-    float *xsum = x32 + (size_t)M * K;
-    for (int m = 0; m < M; m++) {
-        load_f32(x, (int64_t)m * K, dtype, x32 + (int64_t)m * K, K);
-        for (int g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < group; i++) s += x32[(int64_t)m * K + g * group + i];
-            xsum[m * groups + g] = s;
-        }
-    }
+    const float *xsum = x32 + (size_t)M * K;
+#if defined(__AVX512BF16__) /* AVX-512 CPUs without it (Skylake-SP to Ice Lake) take the tiles */
     if (M == 1 && dtype == DTYPE_BF16) {
         const int ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -1232,6 +1481,7 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
         free(x32);
         return 0;
     }
+#endif
     const int tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int tile = 0; tile < tiles; tile++) {
@@ -1253,6 +1503,61 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
                 INT4_CASE(3, 1) INT4_CASE(3, 2) INT4_CASE(3, 3) INT4_CASE(3, 4)
                 INT4_CASE(4, 1) INT4_CASE(4, 2) INT4_CASE(4, 3) INT4_CASE(4, 4)
             }
+        }
+    }
+    free(x32);
+    return 0;
+}
+#elif defined(PAGODA_AVX2)
+/* One output of one fp32 row, its weight row read start to end: a chunk's 16 bytes widen to four
+ * vectors of 8 nibbles (inputs k..k+7 and k+8..k+15 from the low nibbles, k+16.. from the high ones),
+ * into four partial sums (four FMA chains), scaled into acc at the end of each group. */
+INLINE float int4_row_f32(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
+                          int K, int group) {
+    const int groups = K / group, chunks = group / 32;
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < chunks; c++) {
+            const int k = g * group + 32 * c;
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + k / 2));
+            const __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+            part[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), _mm256_loadu_ps(x + k), part[0]);
+            part[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), _mm256_loadu_ps(x + k + 8), part[1]);
+            part[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_loadu_ps(x + k + 16), part[2]);
+            part[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(x + k + 24), part[3]);
+        }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
+        acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scales[g]), acc);
+    }
+    __m256 shift = _mm256_setzero_ps(); /* sum_g min_g sum(x_g) */
+    for (int g = 0; g < groups; g += 8)
+        shift = _mm256_fmadd_ps(load8(mins, g, groups - g, DTYPE_F32), load8(xsum, g, groups - g, DTYPE_F32), shift);
+    return hsum8(_mm256_add_ps(acc, shift));
+}
+
+/* Each output's weight row is read once from DRAM and again from L1 for the step's other rows. */
+int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
+                       void *y, int M, int N, int K, int group, int dtype, int num_threads) {
+    if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
+    const int groups = K / group, ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
+    float *x32 = int4_inputs(x, M, K, group, dtype);
+    if (!x32) return -1;
+    const float *xsum = x32 + (size_t)M * K;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qn = q + (int64_t)n * K / 2;
+        const float *sn = scales + (int64_t)n * groups, *mn = mins + (int64_t)n * groups;
+        if (n + ahead < N) {
+            prefetch_span(qn + (int64_t)ahead * K / 2, K / 2);
+            prefetch_span(sn + (int64_t)ahead * groups, 4 * groups);
+            prefetch_span(mn + (int64_t)ahead * groups, 4 * groups);
+        }
+        for (int m = 0; m < M; m++) { /* GGUF's groups of 32 as a constant: no chunk loop */
+            const float *xm = x32 + (int64_t)m * K, *sm = xsum + (int64_t)m * groups;
+            const float v = group == 32 ? int4_row_f32(xm, qn, sn, mn, sm, K, 32) : int4_row_f32(xm, qn, sn, mn, sm, K, group);
+            store_output(y, (int64_t)m * N + n, v, bias, n, dtype);
         }
     }
     free(x32);
@@ -1291,6 +1596,34 @@ int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const
         float v;
         load_f32(scales, n, dtype, &v, 1);
         v *= _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+        if (bias) {
+            float b;
+            load_f32(bias, n, dtype, &b, 1);
+            v += b;
+        }
+        store_f32(y, n, dtype, &v, 1);
+    }
+    return 0;
+}
+#elif defined(PAGODA_AVX2)
+int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const void *bias, void *y, int M, int N,
+                       int K, int dtype, int num_threads) {
+    if (M != 1 || K % 32 || K > MAX_HIDDEN) return -1; /* K: a hidden size */
+    float x32[MAX_HIDDEN];
+    load_f32(x, 0, dtype, x32, K);
+    const int ahead = rows_ahead(K);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < N; n++) {
+        const int8_t *row = q + (int64_t)n * K;
+        if (n + ahead < N) prefetch_span(row + (int64_t)ahead * K, K);
+        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int k = 0; k < K; k += 32)
+            for (int u = 0; u < 4; u++) /* four chains: the FMA latency */
+                part[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8 * u)))),
+                                          _mm256_loadu_ps(x32 + k + 8 * u), part[u]);
+        float v;
+        load_f32(scales, n, dtype, &v, 1);
+        v *= hsum8(_mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3])));
         if (bias) {
             float b;
             load_f32(bias, n, dtype, &b, 1);

@@ -105,6 +105,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
     lib.pagoda_linear_int8.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
+    lib.lanes = lib.pagoda_vector_lanes()  # 16: AVX-512, 8: AVX2, 0: no vector kernels
     lib.max_head_dim, lib.max_group = lib.pagoda_max_head_dim(), lib.pagoda_max_group()
     return lib
 
@@ -194,27 +195,35 @@ def paged_decode_attention(
 # them in bf16. In fp32 without AMX the native kernels take every step, from 256 rows the packed
 # outer-product one (`PACKED_MIN_ROWS`): Zen 5, SmolLM2's projections at 256-2,048 rows, 301-378
 # GFLOP/s against oneDNN's 157-170 (its bf16 one wins there from 128 rows: 546-736 against 477-506).
+# AVX2 (Zen 3, no AVX-512): the 8-lane fp32 dot products ahead to 128 rows (1.4-3.7x at 1-32 rows,
+# 1.1x at 64-128), oneDNN past that (0.84x at 256, 0.74x at 512).
 AMX_MAX_ROWS = 512
 DOT_BF16_MAX_ROWS = 256
 DOT_F32_MAX_ROWS = 2**31 - 1  # every step
 AMX_CPU_F32_MAX_ROWS = 128
+AVX2_F32_MAX_ROWS = 128
 
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
-    """Rows up to which the AVX-512 kernel of `dtype` (`pagoda_linear_bf16` / `_f32`: dot-product tiles,
-    for fp32 from PACKED_MIN_ROWS packed panels) runs (0: never)."""
+    """Rows up to which the vector kernel of `dtype` (`pagoda_linear_bf16` / `_f32`: dot-product tiles,
+    for fp32 with AVX-512 from PACKED_MIN_ROWS packed panels) runs (0: never)."""
     if dtype == torch.bfloat16:
         return 0 if not lib.pagoda_has_bf16_linear() else 1 if lib.amx else DOT_BF16_MAX_ROWS
-    return 0 if not lib.pagoda_has_f32_linear() else AMX_CPU_F32_MAX_ROWS if lib.amx else DOT_F32_MAX_ROWS
+    if not lib.pagoda_has_f32_linear():
+        return 0
+    if lib.amx:
+        return AMX_CPU_F32_MAX_ROWS
+    return DOT_F32_MAX_ROWS if lib.lanes == 16 else AVX2_F32_MAX_ROWS
 
 
 LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
 
 
-def has_avx512() -> bool:
-    """The AVX-512 kernels (SiLU x up, 4-bit linear, the fused decode layers) are built here."""
+def has_vector_kernels() -> bool:
+    """The vector kernels (AVX-512 or AVX2: SiLU x up, the low-bit linears, the fused decode layers)
+    are built here."""
     lib = library()
-    return lib is not None and lib.pagoda_has_avx512() == 1
+    return lib is not None and lib.lanes > 0
 
 
 def widens(weight_dtype: torch.dtype, dtype: torch.dtype) -> bool:
@@ -294,7 +303,7 @@ def int4_linear(
 ) -> torch.Tensor | None:
     """x [..., K] @ Wᵀ (+ bias) for W = q * scale + min in groups of `group` inputs (`pack_int4`'s
     nibbles; scales, mins [N, K / group] fp32), in x's dtype; None where the kernel does not run."""
-    if x.device.type != "cpu" or x.dtype not in DTYPES or not _int4_layout(nibbles, scales, mins) or not has_avx512():
+    if x.device.type != "cpu" or x.dtype not in DTYPES or not _int4_layout(nibbles, scales, mins) or not has_vector_kernels():
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
@@ -314,7 +323,7 @@ def int8_linear(
     """x [..., K] @ Wᵀ (+ bias) for W = q * scale (q [N, K] int8, scales [N], one per output) in x's dtype,
     for one row; None where the kernel does not run (the caller runs torch's)."""
     in_features = q.shape[1]
-    if x.numel() != in_features or q.dtype != torch.int8 or not q.is_contiguous() or not has_avx512():
+    if x.numel() != in_features or q.dtype != torch.int8 or not q.is_contiguous() or not has_vector_kernels():
         return None
     if _takes(x, scales, *([bias] if bias is not None else [])) is None or not scales.is_contiguous():
         return None

@@ -46,9 +46,9 @@ def test_int4_matmul_matches_its_dense_weight(native, monkeypatch):
     q = torch.randint(0, 16, (96, 128), generator=gen)
     scales, zeros = torch.rand(96, 4, generator=gen) / 10, torch.randn(96, 4, generator=gen) / 10
     if not native:  # a CPU without AVX-512: torch's weight-only int4 kernel
-        monkeypatch.setattr(cpu_native, "has_avx512", lambda: False)
+        monkeypatch.setattr(cpu_native, "has_vector_kernels", lambda: False)
     weight = Int4Weight(q, scales, zeros, torch.float32)
-    assert (weight.nibbles is not None) == (native and cpu_native.has_avx512())
+    assert (weight.nibbles is not None) == (native and cpu_native.has_vector_kernels())
     dense = (q - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
     assert torch.allclose(weight.dequantize(), dense, atol=1e-6)
     x = torch.randn(3, 128, generator=gen)

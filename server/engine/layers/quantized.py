@@ -43,7 +43,7 @@ class Int4Weight(nn.Module):
         if self.group_size not in GROUP_SIZES or self.group_size * scales.shape[1] != self.in_features:
             raise ValueError(f"int4 groups of {self.in_features / scales.shape[1]} weights are not supported")
         self.dtype = dtype
-        if cpu_native.has_avx512():  # the native kernel: GGUF's nibble layout, fp32 scales and mins
+        if cpu_native.has_vector_kernels():  # the native kernel: GGUF's nibble layout, fp32 scales and mins
             self.register_buffer("nibbles", cpu_native.pack_int4(q))
             self.register_buffer("scales", scales.float().contiguous())
             self.register_buffer("mins", (zeros - 8 * scales).float().contiguous())  # w = q * scale + min

@@ -91,7 +91,7 @@ class NativeDecode:
             and first.o_proj.tp.size == 1
             and first.qkv_proj.weight.dtype in cpu_native.DTYPES
             and first.qkv_proj.weight.device.type == "cpu"
-            and cpu_native.has_avx512()
+            and cpu_native.has_vector_kernels()
         )
         if not eligible:
             return None
