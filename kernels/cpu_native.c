@@ -10,6 +10,8 @@
  * small elementwise op pays a dispatch. Here: attention reads K/V straight from the blocks (no gather,
  * no mask), the linear kernels stream each weight row once for every row of the step (AMX tiles or
  * AVX-512 registers), and the residual add + RMSNorm and SiLU x up are one call each.
+ * CPUs without AVX-512 (AVX2 + FMA) get 8-lane versions of the attention, the fp32 and low-bit
+ * linears, SiLU x up and the greedy pass (PAGODA_AVX2); bf16 arithmetic stays AVX512-BF16 / AMX only.
  */
 #include <float.h>
 #include <math.h>
@@ -248,9 +250,7 @@ struct attention_task {
     float scale;
 };
 
-#if defined(__AVX512F__)
-#define CHUNK 16 /* tokens whose scores are exponentiated together */
-
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 /* A block's K and V rows of one KV head, `tokens` of them from `base` (elements), into L2 (into L1
  * they held its few miss buffers: 16 sequences' cold caches 151 -> 109 us a layer). In a decode
  * step the caches come from DRAM (the layer's weights went through the caches since): without this
@@ -265,6 +265,10 @@ static inline void prefetch_block(const struct attention_task *a, int64_t base, 
         }
     }
 }
+#endif
+
+#if defined(__AVX512F__)
+#define CHUNK 16 /* tokens whose scores are exponentiated together */
 
 /* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
  * once; bf16 caches multiply in bf16 pairs as stored, the scale applied to the sum, ~15 % faster than
@@ -364,8 +368,80 @@ static void attend(const struct attention_task *a, const int dtype) {
             store16(a->out, a->out_offset + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), tail[c], dtype);
     }
 }
+#elif defined(PAGODA_AVX2)
+#define CHUNK 8 /* tokens whose scores are exponentiated together: one vector */
+
+/* attend's AVX-512 version in 8 lanes: chunks of up to 8 tokens of a block, four tokens' scores
+ * reduced at once, one online-softmax update per chunk, then their V rows. */
+static void attend(const struct attention_task *a, const int dtype) {
+    const int group = a->group, head_dim = a->head_dim, chunks = (head_dim + 7) / 8;
+    __m256 qv[MAX_GROUP][MAX_HEAD_DIM / 8], acc[MAX_GROUP][MAX_HEAD_DIM / 8];
+    float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < chunks; c++) {
+            const __m256 raw = load8(a->q, a->q_offset + g * a->q_head_stride + 8 * c, head_dim - 8 * c, dtype);
+            qv[g][c] = _mm256_mul_ps(raw, _mm256_set1_ps(a->scale));
+            acc[g][c] = _mm256_setzero_ps();
+        }
+        row_max[g] = -FLT_MAX;
+        row_sum[g] = 0.0f;
+    }
+    for (int t = a->start; t < a->length;) {
+        const int in_block = t % a->block_size;
+        int n = a->block_size - in_block;
+        if (n > CHUNK) n = CHUNK;
+        if (n > a->length - t) n = a->length - t;
+        const int64_t base = ((int64_t)a->table[t / a->block_size] * a->block_size + in_block) * a->token_stride + a->kv_offset;
+        const int next = t + n; /* the next block streams in while this one computes */
+        if (next < a->length && next % a->block_size == 0)
+            prefetch_block(a, (int64_t)a->table[next / a->block_size] * a->block_size * a->token_stride + a->kv_offset,
+                           a->length - next < a->block_size ? a->length - next : a->block_size, dtype);
+        float scores[MAX_GROUP][CHUNK];
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < n; j += 4) {
+                __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int c = 0; c < chunks; c++)
+                    for (int u = 0; u < 4; u++) { /* past the chunk: its last token again, dropped below */
+                        const int64_t row = base + (int64_t)(j + u < n ? j + u : n - 1) * a->token_stride;
+                        dot[u] = _mm256_fmadd_ps(qv[g][c], load8(a->k_cache, row + 8 * c, head_dim - 8 * c, dtype), dot[u]);
+                    }
+                float four[4];
+                _mm_storeu_ps(four, sum4_avx2(dot[0], dot[1], dot[2], dot[3]));
+                for (int u = 0; u < 4 && j + u < n; u++) scores[g][j + u] = four[u];
+            }
+        const __m256 valid = _mm256_castsi256_ps(lanes_below(n));
+        float probs[MAX_GROUP][CHUNK];
+        for (int g = 0; g < group; g++) {
+            float chunk_max = scores[g][0];
+            for (int j = 1; j < n; j++) chunk_max = scores[g][j] > chunk_max ? scores[g][j] : chunk_max;
+            if (chunk_max > row_max[g]) { /* rescale what was summed under the old maximum */
+                const float correction = expf(row_max[g] - chunk_max);
+                row_sum[g] *= correction;
+                for (int c = 0; c < chunks; c++) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(correction));
+                row_max[g] = chunk_max;
+            }
+            const __m256 s = load8(scores[g], 0, n, DTYPE_F32);
+            const __m256 e = _mm256_and_ps(valid, exp_avx2(_mm256_sub_ps(s, _mm256_set1_ps(row_max[g]))));
+            row_sum[g] += hsum8(e);
+            _mm256_storeu_ps(probs[g], e);
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t row = base + (int64_t)j * a->token_stride;
+            for (int c = 0; c < chunks; c++) {
+                const __m256 v = load8(a->v_cache, row + 8 * c, head_dim - 8 * c, dtype);
+                for (int g = 0; g < group; g++) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][j]), v, acc[g][c]);
+            }
+        }
+        t += n;
+    }
+    for (int g = 0; g < group; g++) {
+        const __m256 inv = _mm256_set1_ps(row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            store8(a->out, a->out_offset + g * head_dim + 8 * c, _mm256_mul_ps(acc[g][c], inv), head_dim - 8 * c, dtype);
+    }
+}
 #else
-/* Token by token, for CPUs without AVX-512. */
+/* Token by token, for CPUs without AVX-512 or AVX2. */
 static void attend(const struct attention_task *a, const int dtype) {
     const int group = a->group, head_dim = a->head_dim;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
@@ -495,8 +571,8 @@ int pagoda_rms_norm(const void *x, const void *residual, void *summed, const voi
     return 0;
 }
 
-/* out [rows, inter] = silu(gate) * up of gate_up [rows, 2 * inter] contiguous (gate first), in
- * AVX-512 registers, 16 elements at a time.
+/* out [rows, inter] = silu(gate) * up of gate_up [rows, 2 * inter] contiguous (gate first), a vector
+ * (16 or 8 elements) at a time.
  * bf16 rounds where torch's two ops do: silu(gate), then the product. */
 #if defined(__AVX512F__)
 INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter, const int dtype) {

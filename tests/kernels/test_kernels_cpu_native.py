@@ -5,6 +5,7 @@ where none exists, so these tests need one (CI machines have gcc).
 """
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 DTYPES = [torch.float32, torch.bfloat16]
+# SiLU x up, the low-bit linears and the greedy pass are vector code only (AVX-512 or AVX2)
+vector_kernels = pytest.mark.skipif(not cpu_native.has_vector_kernels(), reason="no vector kernels on this CPU")
 
 
 def test_the_kernels_build_and_share_torchs_openmp_runtime():
@@ -33,6 +36,24 @@ def test_disabled_by_environment(tmp_path):
     env = {**os.environ, "PAGODA_NATIVE_KERNELS": "0", "PAGODA_KERNEL_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("march", "lanes"), [("x86-64-v3", 8), ("x86-64", 0)])
+def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
+    """This file's tests again on the kernels built for an older x86 CPU than this one: AVX2 + FMA
+    (8 lanes), and baseline x86-64 (no vector kernels: torch's ops where they are missing)."""
+    if platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("an x86 CPU with AVX2 runs every tier")
+    env = {**os.environ, "PAGODA_NATIVE_MARCH": march, "PAGODA_KERNEL_CACHE": str(tmp_path)}
+    check = "from pagoda.kernels import cpu_native; print(cpu_native.library().lanes)"
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(lanes)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,7 +118,7 @@ def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features,
 def test_linear_declines_many_rows_and_other_devices():
     lib = cpu_native.library()
     weight = torch.randn(64, 64)
-    if lib.amx or lib.lanes == 8:  # fp32 takes every step with AVX-512 and no AMX
+    if cpu_native.max_rows(lib, torch.float32) < cpu_native.DOT_F32_MAX_ROWS:  # a cap: AMX, AVX2
         rows = cpu_native.max_rows(lib, torch.float32) + 1
         assert cpu_native.linear(torch.randn(rows, 64), weight, None) is None
     rows = cpu_native.max_rows(lib, torch.bfloat16) + 1
@@ -105,7 +126,7 @@ def test_linear_declines_many_rows_and_other_devices():
     assert cpu_native.linear(torch.randn(2, 64, dtype=torch.float16), weight.half(), None) is None
 
 
-@pytest.mark.skipif(not cpu_native.has_vector_kernels(), reason="the 4-bit kernel needs AVX-512 or AVX2")
+@vector_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 @pytest.mark.parametrize(
@@ -125,7 +146,7 @@ def test_int4_linear_matches_the_dequantized_weight(dtype, rows, out_features, i
     assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
 
 
-@pytest.mark.skipif(not cpu_native.has_vector_kernels(), reason="the int8 kernel needs AVX-512 or AVX2")
+@vector_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (7, 64)])
 def test_int8_linear_matches_the_dequantized_weight(dtype, out_features, in_features, generator):
@@ -171,6 +192,7 @@ def test_store_kv_matches_reference_and_checks_slots(dtype, generator):
         cpu_native.store_kv(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 32]))
 
 
+@vector_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 37), (40, 2048)])
 def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
@@ -184,6 +206,7 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
         assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
 
 
+@vector_kernels
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (16, 49152), (5, 37)])
 def test_argmax_logsumexp_matches_torch(rows, vocab, generator):
     logits = 4 * torch.randn(rows, vocab, generator=generator)
@@ -193,6 +216,7 @@ def test_argmax_logsumexp_matches_torch(rows, vocab, generator):
     assert torch.allclose(log_norm, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
 
 
+@vector_kernels
 def test_argmax_logsumexp_leaves_nan_and_infinite_rows_to_torchs_rules():
     logits = torch.zeros(4, 40)
     logits[0, 7] = float("nan")  # torch: a NaN is the maximum
