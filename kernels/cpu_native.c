@@ -65,6 +65,14 @@ static inline void store_f32(void *base, int64_t offset, int dtype, const float 
     }
 }
 
+/* Output `at` of a linear: bias[n] added, then rounded to the activations' dtype. */
+static inline void store_output(void *y, int64_t at, float v, const void *bias, int64_t n, const int dtype) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t *)y)[at] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
+    else
+        ((float *)y)[at] = bias ? v + ((const float *)bias)[n] : v;
+}
+
 #if defined(__AVX512F__)
 /* AVX-512 helpers: 16 fp32 lanes, loaded from / stored to either dtype (masked for tails); exp by
  * Cephes' range reduction and polynomial (~1 ulp). */
@@ -870,7 +878,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
 }
 
 DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
-#else
+#elif !defined(PAGODA_AVX2) /* AVX2's bf16 linear widens to fp32: with its fp32 kernels below */
 int pagoda_has_bf16_linear(void) { return 0; }
 int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N,
                        int K, int num_threads) {
@@ -1178,14 +1186,15 @@ int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias
 #elif defined(PAGODA_AVX2)
 int pagoda_has_f32_linear(void) { return 1; }
 
-/* fp32 rows x fp32 or bf16 weights (bf16 widened, exactly), 8 lanes. AVX2 has 16 vector registers:
- * a pass takes up to 2 rows x 4 outputs (8 accumulators, 4 weight vectors, a row's), a 3-4 row tile
- * two passes (the second finds the weights in L1), and passes of up to 4 products keep two sets of
- * accumulators, the even and odd 8 inputs of each 16, so two FMA chains run (a one-row step
- * otherwise waits on one FMA's latency per 8 inputs). The tile's prefetch is PREFETCH_NEXT's, by
- * bytes: a line of each next row per 64 bytes of weight row. */
-INLINE void pass_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int K, int ldy,
-                     const int MB, const int NB, const char *next, int next_rows) {
+/* Rows x weights in 8 fp32 lanes: fp32 rows on fp32 or bf16 weights, bf16 rows on bf16 weights (both
+ * widened, exactly: the products and fp32 sums AVX512-BF16's dot products take, the output rounded
+ * once). AVX2 has 16 vector registers: a pass takes up to 2 rows x 4 outputs (8 accumulators, 4
+ * weight vectors, a row's), a 3-4 row tile two passes (the second finds the weights in L1), and
+ * passes of up to 4 products keep two sets of accumulators, the even and odd 8 inputs of each 16, so
+ * two FMA chains run (a one-row step otherwise waits on one FMA's latency per 8 inputs). The tile's
+ * prefetch is PREFETCH_NEXT's, by bytes: a line of each next row per 64 bytes of weight row. */
+INLINE void pass_rows(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y, int K,
+                      int ldy, const int MB, const int NB, const char *next, int next_rows) {
     enum { SETS = 2 };
     const int sets = MB * NB <= 4 ? 2 : 1, wsize = wdtype == DTYPE_BF16 ? 2 : 4;
     __m256 acc[SETS][2][TILE];
@@ -1202,7 +1211,7 @@ INLINE void pass_f32(const float *x, const void *w, const int wdtype, const floa
             __m256 wv[TILE];
             for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k + 8 * h, 8, wdtype);
             for (int m = 0; m < MB; m++) {
-                const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * K + k + 8 * h);
+                const __m256 xv = load8(x, (int64_t)m * K + k + 8 * h, 8, dtype);
                 for (int n = 0; n < NB; n++) acc[s][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[s][m][n]);
             }
         }
@@ -1211,46 +1220,49 @@ INLINE void pass_f32(const float *x, const void *w, const int wdtype, const floa
         __m256 wv[TILE];
         for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k, K - k, wdtype);
         for (int m = 0; m < MB; m++) {
-            const __m256 xv = load8(x, (int64_t)m * K + k, K - k, DTYPE_F32);
+            const __m256 xv = load8(x, (int64_t)m * K + k, K - k, dtype);
             for (int n = 0; n < NB; n++) acc[0][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[0][m][n]);
         }
     }
     for (int m = 0; m < MB; m++) {
         if (sets == 2)
             for (int n = 0; n < NB; n++) acc[0][m][n] = _mm256_add_ps(acc[0][m][n], acc[1][m][n]);
-        if (NB == TILE) { /* a row's four outputs summed and biased as one vector */
-            const __m128 sums = sum4_avx2(acc[0][m][0], acc[0][m][1], acc[0][m][2], acc[0][m][3]);
-            _mm_storeu_ps(y + (int64_t)m * ldy, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
-        } else {
-            for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = hsum8(acc[0][m][n]) + (bias ? bias[n] : 0.0f);
-        }
+        float sums[TILE];
+        if (NB == TILE) /* a row's four outputs summed as one vector */
+            _mm_storeu_ps(sums, sum4_avx2(acc[0][m][0], acc[0][m][1], acc[0][m][2], acc[0][m][3]));
+        else
+            for (int n = 0; n < NB; n++) sums[n] = hsum8(acc[0][m][n]);
+        for (int n = 0; n < NB; n++) store_output(y, (int64_t)m * ldy + n, sums[n], bias, n, dtype);
     }
 }
 
-#define PASS_ROWS(x, w, wdtype, bias, y, K, ldy, MB, NB, next, next_rows)                                 \
-    do {                                                                                                \
-        if ((MB) <= 2) {                                                                                \
-            pass_f32(x, w, wdtype, bias, y, K, ldy, MB, NB, (const char *)(next), next_rows);           \
-        } else {                                                                                        \
-            pass_f32(x, w, wdtype, bias, y, K, ldy, 2, NB, (const char *)(next), next_rows);            \
-            pass_f32((x) + 2 * (int64_t)(K), w, wdtype, bias, (y) + 2 * (int64_t)(ldy), K, ldy, (MB) - 2, NB, 0, 0); \
-        }                                                                                               \
+/* A tile of up to 4 rows: passes of 2 (the registers' limit), the prefetch in the first. */
+#define PASS_ROWS(T, dtype, wdtype)                                                                          \
+    do {                                                                                                    \
+        pass_rows(x, dtype, w, wdtype, bias, y, K, ldy, MB < 2 ? MB : 2, NB, (const char *)next, next_rows); \
+        if (MB > 2)                                                                                         \
+            pass_rows((const T *)x + 2 * (int64_t)K, dtype, w, wdtype, bias, (T *)y + 2 * (int64_t)ldy, K, ldy, \
+                      MB - 2, NB, 0, 0);                                                                    \
     } while (0)
 
-static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
-                                                           float *y, int K, int ldy, const int MB, const int NB,
-                                                           const float *next, int next_rows) {
-    PASS_ROWS(x, w, DTYPE_F32, bias, y, K, ldy, MB, NB, next, next_rows);
+INLINE void tile_f32(const float *x, const float *w, const float *bias, float *y, int K, int ldy, const int MB,
+                     const int NB, const float *next, int next_rows) {
+    PASS_ROWS(float, DTYPE_F32, DTYPE_F32);
 }
 
-static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x, const uint16_t *w,
-                                                                 const float *bias, float *y, int K, int ldy,
-                                                                 const int MB, const int NB,
-                                                                 const uint16_t *next, int next_rows) {
-    PASS_ROWS(x, w, DTYPE_BF16, bias, y, K, ldy, MB, NB, next, next_rows);
+INLINE void tile_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int K, int ldy,
+                           const int MB, const int NB, const uint16_t *next, int next_rows) {
+    PASS_ROWS(float, DTYPE_F32, DTYPE_BF16);
+}
+
+INLINE void tile_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int K, int ldy,
+                      const int MB, const int NB, const uint16_t *next, int next_rows) {
+    PASS_ROWS(uint16_t, DTYPE_BF16, DTYPE_BF16);
 }
 #undef PASS_ROWS
 
+int pagoda_has_bf16_linear(void) { return 1; }
+DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
 DEFINE_LINEAR(pagoda_linear_f32, float, float, tile_f32)
 DEFINE_LINEAR(pagoda_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 #else
@@ -1426,13 +1438,6 @@ static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
     return x32;
 }
 
-/* One output: the weight's bias added, then rounded to the activations' dtype. */
-static inline void store_output(void *y, int64_t at, float v, const void *bias, int64_t n, const int dtype) {
-    if (dtype == DTYPE_BF16)
-        ((uint16_t *)y)[at] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
-    else
-        ((float *)y)[at] = bias ? v + ((const float *)bias)[n] : v;
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -1472,14 +1477,7 @@ INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, con
     float sums[TILE][TILE];
     TILE_SUMS(acc, sums, MB, NB)
     for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) {
-            float v = sums[m][n];
-            if (bias) v += dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + n]) : ((const float *)bias)[n0 + n];
-            if (dtype == DTYPE_BF16)
-                ((uint16_t *)y)[(int64_t)m * ldy + n0 + n] = f32_to_bf16(v);
-            else
-                ((float *)y)[(int64_t)m * ldy + n0 + n] = v;
-        }
+        for (int n = 0; n < NB; n++) store_output(y, (int64_t)m * ldy + n0 + n, sums[m][n], bias, n0 + n, dtype);
 }
 
 #if defined(__AVX512BF16__)
@@ -1552,7 +1550,7 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
             /* GGUF's groups of 32 as a constant: each chunk then scales without a counter */
             const float v = group == 32 ? int4_row_bf16(x, qn, sn, mn, xsum, K, 32)
                                         : int4_row_bf16(x, qn, sn, mn, xsum, K, group);
-            ((uint16_t *)y)[n] = f32_to_bf16(bias ? v + bf16_to_f32(((const uint16_t *)bias)[n]) : v);
+            store_output(y, n, v, bias, n, DTYPE_BF16);
         }
         free(x32);
         return 0;

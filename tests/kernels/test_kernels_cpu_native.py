@@ -118,11 +118,12 @@ def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features,
 def test_linear_declines_many_rows_and_other_devices():
     lib = cpu_native.library()
     weight = torch.randn(64, 64)
-    if cpu_native.max_rows(lib, torch.float32) < cpu_native.DOT_F32_MAX_ROWS:  # a cap: AMX, AVX2
-        rows = cpu_native.max_rows(lib, torch.float32) + 1
-        assert cpu_native.linear(torch.randn(rows, 64), weight, None) is None
-    rows = cpu_native.max_rows(lib, torch.bfloat16) + 1
-    assert cpu_native.linear(torch.randn(rows, 64).bfloat16(), weight.bfloat16(), None) is None
+    for dtype in DTYPES:  # past the native kernels' last row count (where there is one), torch's GEMM
+        last = cpu_native.max_rows(lib, dtype)
+        if lib.amx and dtype == torch.bfloat16:
+            last = cpu_native.AMX_MAX_ROWS
+        if last < cpu_native.EVERY_STEP:
+            assert cpu_native.linear(torch.randn(last + 1, 64).to(dtype), weight.to(dtype), None) is None
     assert cpu_native.linear(torch.randn(2, 64, dtype=torch.float16), weight.half(), None) is None
 
 
