@@ -273,6 +273,21 @@ static inline void prefetch_block(const struct attention_task *a, int64_t base, 
         }
     }
 }
+
+/* The chunk of up to `chunk` tokens from token t within its cache block: how many, and where its first
+ * K/V row starts (*base, elements). When it ends a block, the next block streams in while it computes. */
+static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype) {
+    const int in_block = t % a->block_size;
+    int n = a->block_size - in_block;
+    if (n > chunk) n = chunk;
+    if (n > a->length - t) n = a->length - t;
+    *base = ((int64_t)a->table[t / a->block_size] * a->block_size + in_block) * a->token_stride + a->kv_offset;
+    const int next = t + n;
+    if (next < a->length && next % a->block_size == 0)
+        prefetch_block(a, (int64_t)a->table[next / a->block_size] * a->block_size * a->token_stride + a->kv_offset,
+                       a->length - next < a->block_size ? a->length - next : a->block_size, dtype);
+    return n;
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -308,15 +323,8 @@ static void attend(const struct attention_task *a, const int dtype) {
         row_sum[g] = 0.0f;
     }
     for (int t = a->start; t < a->length;) {
-        const int in_block = t % a->block_size;
-        int n = a->block_size - in_block;
-        if (n > CHUNK) n = CHUNK;
-        if (n > a->length - t) n = a->length - t;
-        const int64_t base = ((int64_t)a->table[t / a->block_size] * a->block_size + in_block) * a->token_stride + a->kv_offset;
-        const int next = t + n; /* the next block streams in while this one computes */
-        if (next < a->length && next % a->block_size == 0)
-            prefetch_block(a, (int64_t)a->table[next / a->block_size] * a->block_size * a->token_stride + a->kv_offset,
-                           a->length - next < a->block_size ? a->length - next : a->block_size, dtype);
+        int64_t base;
+        const int n = next_chunk(a, t, CHUNK, &base, dtype);
         float scores[MAX_GROUP][CHUNK];
 #if defined(__AVX512BF16__)
         if (in_pairs)
@@ -395,15 +403,8 @@ static void attend(const struct attention_task *a, const int dtype) {
         row_sum[g] = 0.0f;
     }
     for (int t = a->start; t < a->length;) {
-        const int in_block = t % a->block_size;
-        int n = a->block_size - in_block;
-        if (n > CHUNK) n = CHUNK;
-        if (n > a->length - t) n = a->length - t;
-        const int64_t base = ((int64_t)a->table[t / a->block_size] * a->block_size + in_block) * a->token_stride + a->kv_offset;
-        const int next = t + n; /* the next block streams in while this one computes */
-        if (next < a->length && next % a->block_size == 0)
-            prefetch_block(a, (int64_t)a->table[next / a->block_size] * a->block_size * a->token_stride + a->kv_offset,
-                           a->length - next < a->block_size ? a->length - next : a->block_size, dtype);
+        int64_t base;
+        const int n = next_chunk(a, t, CHUNK, &base, dtype);
         float scores[MAX_GROUP][CHUNK];
         for (int g = 0; g < group; g++)
             for (int j = 0; j < n; j += 4) {
@@ -593,12 +594,6 @@ INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter,
         store16(out, row * inter + i, _mm512_mul_ps(round16(silu, dtype), up), mask, dtype);
     }
 }
-
-int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, inter))
-    for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
-    return 0;
-}
 #elif defined(PAGODA_AVX2)
 INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter, const int dtype) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
@@ -610,7 +605,9 @@ INLINE void silu_mul_row(const void *gate_up, void *out, int64_t row, int inter,
         store8(out, row * inter + i, _mm256_mul_ps(round8(silu, dtype), up), n, dtype);
     }
 }
+#endif
 
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
 int pagoda_silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (split_rows(rows, inter))
     for (int r = 0; r < rows; r++) PER_DTYPE(silu_mul_row, gate_up, out, r, inter);
