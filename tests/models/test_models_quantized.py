@@ -45,7 +45,7 @@ def test_int4_matmul_matches_its_dense_weight(native, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (96, 128), generator=gen)
     scales, zeros = torch.rand(96, 4, generator=gen) / 10, torch.randn(96, 4, generator=gen) / 10
-    if not native:  # a CPU without AVX-512: torch's weight-only int4 kernel
+    if not native:  # a CPU without vector kernels: torch's weight-only int4 kernel
         monkeypatch.setattr(cpu_native, "has_vector_kernels", lambda: False)
     weight = Int4Weight(q, scales, zeros, torch.float32)
     assert (weight.nibbles is not None) == (native and cpu_native.has_vector_kernels())
