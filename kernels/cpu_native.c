@@ -10,8 +10,9 @@
  * small elementwise op pays a dispatch. Here: attention reads K/V straight from the blocks (no gather,
  * no mask), the linear kernels stream each weight row once for every row of the step (AMX tiles or
  * AVX-512 registers), and the residual add + RMSNorm and SiLU x up are one call each.
- * CPUs without AVX-512 (AVX2 + FMA) get 8-lane versions of the attention, the fp32 and low-bit
- * linears, SiLU x up and the greedy pass (PAGODA_AVX2); bf16 arithmetic stays AVX512-BF16 / AMX only.
+ * CPUs without AVX-512 (AVX2 + FMA) get 8-lane versions of the attention, the linears, SiLU x up and
+ * the greedy pass (PAGODA_AVX2), bf16 tensors widened to fp32 in registers (bf16 products in hardware
+ * are AVX512-BF16's and AMX's).
  */
 #include <float.h>
 #include <math.h>
