@@ -70,6 +70,18 @@ def test_decode_attention_matches_reference(dtype, group, block_size, window, ge
     assert out.dtype == dtype and relative_error(out, expected) <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [36, 80, 256])  # a vector's tail; a second slice of sums; four
+def test_decode_attention_head_sizes(dtype, head_dim, generator):
+    lens = [3, 16, 50]
+    cache = make_paged_kv(lens, 2, head_dim, 16, dtype, poison=1e4, generator=generator)
+    query = random_queries(len(lens), 6, head_dim, dtype, generator=generator)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim**-0.5, None)
+    out = cpu_native.paged_decode_attention(*args)
+    expected = TorchReferenceBackend().paged_decode_attention(*args)
+    assert relative_error(out, expected) <= tolerance(dtype)
+
+
 def test_decode_attention_refuses_a_block_outside_the_cache(generator):
     cache = make_paged_kv([20], 1, 64, 16, torch.float32, generator=generator)
     tables = cache.block_tables.clone()
