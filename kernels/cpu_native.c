@@ -396,7 +396,7 @@ static void attend(const struct attention_task *a, const int dtype) {
  * four chains left half the FMA slots idle) reduced into one vector; one online-softmax update per
  * chunk; then the V rows weighed 64 dims at a time (`weigh_values`), so the sums stay in AVX2's 16
  * registers (a whole group's spilled to the stack on every token) and wait in memory between
- * chunks. Zen 3, 16 sequences x 64-256 tokens from L2/L3: 38-46 -> 25-27 ns per token and KV head. */
+ * chunks. Zen 3, 16 sequences x 64-256 tokens from L2/L3: 37-47 -> 25-29 ns per token and KV head. */
 #define CHUNK 16 /* tokens whose scores are exponentiated together: a block, two vectors */
 #define SLICE 8 /* vectors of one head's sums in registers at once */
 

@@ -71,7 +71,7 @@ def test_decode_attention_matches_reference(dtype, group, block_size, window, ge
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [36, 80, 256])  # a vector's tail; a second slice of sums; four
+@pytest.mark.parametrize("head_dim", [36, 80, 256])  # 8-lane vectors: a tail; 64-dim slices of sums: 2, 4
 def test_decode_attention_head_sizes(dtype, head_dim, generator):
     lens = [3, 16, 50]
     cache = make_paged_kv(lens, 2, head_dim, 16, dtype, poison=1e4, generator=generator)
