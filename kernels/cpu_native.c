@@ -239,6 +239,20 @@ static inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
+
+/* The sums of d[0..8), one per lane: a transposing add tree. */
+static inline __m256 sum8_avx2(const __m256 d[8]) {
+    const __m256 ab = _mm256_hadd_ps(d[0], d[1]), cd = _mm256_hadd_ps(d[2], d[3]);
+    const __m256 ef = _mm256_hadd_ps(d[4], d[5]), gh = _mm256_hadd_ps(d[6], d[7]);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh); /* low | high halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #endif
 
 int pagoda_max_head_dim(void) { return MAX_HEAD_DIM; }
@@ -400,20 +414,6 @@ static void attend(const struct attention_task *a, const int dtype) {
 #define CHUNK 16 /* tokens whose scores are exponentiated together: a block, two vectors */
 #define SLICE 8 /* vectors of one head's sums in registers at once */
 
-/* The sums of d[0..8), one per lane: a transposing add tree. */
-static inline __m256 sum8_avx2(const __m256 d[8]) {
-    const __m256 ab = _mm256_hadd_ps(d[0], d[1]), cd = _mm256_hadd_ps(d[2], d[3]);
-    const __m256 ef = _mm256_hadd_ps(d[4], d[5]), gh = _mm256_hadd_ps(d[6], d[7]);
-    const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh); /* low | high halves */
-    return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 static inline __attribute__((always_inline)) void weigh_values(const struct attention_task *a, int64_t base,
                                                                int n, const float *probs, float correction,
                                                                float *sums, int c0, const int width,
@@ -447,6 +447,8 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
         const int n = next_chunk(a, t, CHUNK, &base, dtype);
         int64_t rows[CHUNK]; /* past the chunk: its last token again, dropped by `valid` */
         for (int u = 0; u < CHUNK; u++) rows[u] = base + (int64_t)(u < n ? u : n - 1) * a->token_stride;
+        __m256 valid[CHUNK / 8];
+        for (int h = 0; h < CHUNK / 8; h++) valid[h] = _mm256_castsi256_ps(lanes_below(n - 8 * h));
         for (int g = 0; g < group; g++) {
             __m256 scores[CHUNK / 8];
             for (int h = (n + 7) / 8; h < CHUNK / 8; h++) scores[h] = _mm256_set1_ps(-FLT_MAX);
@@ -456,8 +458,7 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
                 for (int c = 0; c < chunks; c++)
                     for (int u = 0; u < 8; u++)
                         dot[u] = _mm256_fmadd_ps(qv[g][c], load8(a->k_cache, rows[8 * h + u] + 8 * c, whole ? 8 : head_dim - 8 * c, dtype), dot[u]);
-                const __m256 valid = _mm256_castsi256_ps(lanes_below(n - 8 * h));
-                scores[h] = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), sum8_avx2(dot), valid);
+                scores[h] = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), sum8_avx2(dot), valid[h]);
             }
             __m256 top = scores[0];
             for (int h = 1; h < CHUNK / 8; h++) top = _mm256_max_ps(top, scores[h]);
@@ -471,8 +472,7 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
             float probs[CHUNK];
             __m256 total = _mm256_setzero_ps();
             for (int h = 0; h < CHUNK / 8; h++) {
-                const __m256 valid = _mm256_castsi256_ps(lanes_below(n - 8 * h));
-                const __m256 e = _mm256_and_ps(valid, exp_avx2(_mm256_sub_ps(scores[h], _mm256_set1_ps(row_max[g]))));
+                const __m256 e = _mm256_and_ps(valid[h], exp_avx2(_mm256_sub_ps(scores[h], _mm256_set1_ps(row_max[g]))));
                 total = _mm256_add_ps(total, e);
                 _mm256_storeu_ps(probs + 8 * h, e);
             }
