@@ -790,16 +790,27 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * its hardware prefetcher alone left the one-row kernels at 60-75 % of that (Sapphire Rapids class,
  * SmolLM2 at one row: bf16 layers + head 14.8 -> 10.3-11.0 ms, the 4-bit layers 12.4 -> 6.8 ms). */
 #define ROW_AHEAD_BYTES 16384
+/* Whether a one-row dense kernel on weights of type WT prefetches that row. Not fp32 weights on the
+ * AVX2 tier: there the L2 streamer alone kept the stream 10-15 % faster (Zen 3, SmolLM2's fp32
+ * layers + head at one row, 16.4-19.3 -> 14.1-18.3 ms best of 30, interleaved), where bf16 weights,
+ * widened as they arrive, still gain 10-20 % from it. */
+#if defined(PAGODA_AVX2)
+#define PREFETCHES_ROW_AHEAD(WT) (sizeof(WT) < 4)
+#else
+#define PREFETCHES_ROW_AHEAD(WT) 1
+#endif
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
  * a sequential stream per thread, where a tile's four interleaved rows plus the tile prefetch
  * reached 75-85 % of a plain read (Zen 4, SmolLM2's layers at one row: bf16 8.3 -> 7.1 ms, fp32
- * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched. */
+ * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched
+ * (see PREFETCHES_ROW_AHEAD). */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
         if (M == 1) {                                                                                   \
-            const int ahead = rows_ahead(K * (int64_t)sizeof(WT));                                      \
+            const int ahead = PREFETCHES_ROW_AHEAD(WT) ? rows_ahead(K * (int64_t)sizeof(WT))            \
+                                                       : N; /* no row is N rows ahead */                \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
             for (int n = 0; n < N; n++) /* the row ahead a line per step: the tile's own prefetch */    \
                 tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,                  \
