@@ -1321,8 +1321,107 @@ INLINE void tile_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 
 int pagoda_has_bf16_linear(void) { return 1; }
 DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
-DEFINE_LINEAR(pagoda_linear_f32, float, float, tile_f32)
-DEFINE_LINEAR(pagoda_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
+DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
+DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
+
+/* Many fp32 rows in 8 lanes: the AVX-512 tier's packed panels (see there), 16 outputs wide. Each thread
+ * packs 16 outputs' weights into a [K][16] panel (8 x 8 blocks transposed in registers, bf16 widened
+ * exactly) and 6 rows at a time broadcast their inputs against it: 12 accumulators, 2 panel loads and 6
+ * broadcasts per 12 FMAs, no reductions (16 registers). Each output is the fp32 sum over k in order.
+ * From AVX2_PACKED_MIN_ROWS, where the dot-product passes reload each row block for every 4 outputs
+ * (Zen 3, SmolLM2's projections and head: equal at 32 rows, 100-113 vs 146-159 ms at 64, 176-183 vs
+ * 232-272 at 128; see docs/benchmarks.md for torch's GEMM past that). */
+#define PANEL8 16
+#define PANEL8_ROWS 6
+#define AVX2_PACKED_MIN_ROWS 48
+
+INLINE void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+INLINE void pack_panel8(const void *w, const int wdtype, int64_t n0, int NB, int K, float *panel) {
+    for (int j0 = 0; j0 < PANEL8; j0 += 8)
+        for (int k = 0; k < K; k += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = j0 + i < NB ? load8(w, (n0 + j0 + i) * K + k, K - k, wdtype) : _mm256_setzero_ps();
+            transpose8(r); /* r[kk]: input k + kk of the 8 outputs */
+            for (int kk = 0; kk < 8 && k + kk < K; kk++) _mm256_store_ps(panel + (int64_t)(k + kk) * PANEL8 + j0, r[kk]);
+        }
+}
+
+INLINE void panel8_tile(const float *x, int K, const float *panel, const float *bias, float *y, int ldy, int NB,
+                        const int MB) {
+    __m256 acc[PANEL8_ROWS][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const __m256 lo = _mm256_load_ps(panel + (int64_t)k * PANEL8), hi = _mm256_load_ps(panel + (int64_t)k * PANEL8 + 8);
+        for (int m = 0; m < MB; m++) {
+            const __m256 a = _mm256_broadcast_ss(x + (int64_t)m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(a, lo, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(a, hi, acc[m][1]);
+        }
+    }
+    const int lo_n = NB < 8 ? NB : 8, hi_n = NB > 8 ? NB - 8 : 0;
+    const __m256 b_lo = bias ? load8(bias, 0, lo_n, DTYPE_F32) : _mm256_setzero_ps();
+    const __m256 b_hi = bias && hi_n ? load8(bias, 8, hi_n, DTYPE_F32) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; m++) {
+        store8(y, (int64_t)m * ldy, bias ? _mm256_add_ps(acc[m][0], b_lo) : acc[m][0], lo_n, DTYPE_F32);
+        if (hi_n) store8(y, (int64_t)m * ldy + 8, bias ? _mm256_add_ps(acc[m][1], b_hi) : acc[m][1], hi_n, DTYPE_F32);
+    }
+}
+
+static int packed_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
+                             int N, int K, int num_threads) {
+    const int panels = (N + PANEL8 - 1) / PANEL8;
+    const size_t panel_floats = (size_t)K * PANEL8;
+    float *scratch = aligned_alloc(32, (size_t)num_threads * panel_floats * sizeof(float));
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *panel = scratch + (size_t)omp_get_thread_num() * panel_floats;
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const int n0 = p * PANEL8, NB = N - n0 < PANEL8 ? N - n0 : PANEL8;
+            pack_panel8(w, wdtype, n0, NB, K, panel);
+            const float *bp = bias ? bias + n0 : 0;
+            for (int m0 = 0; m0 < M; m0 += PANEL8_ROWS) {
+                const float *xm = x + (int64_t)m0 * K;
+                float *ym = y + (int64_t)m0 * N + n0;
+#define PANEL8_CASE(mb) case mb: panel8_tile(xm, K, panel, bp, ym, N, NB, mb); break;
+                switch (M - m0 < PANEL8_ROWS ? M - m0 : PANEL8_ROWS) { /* constant row counts: registers */
+                    PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4) PANEL8_CASE(5) PANEL8_CASE(6)
+                }
+#undef PANEL8_CASE
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                      int num_threads) {
+    return M >= AVX2_PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
+                                     : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
+}
+
+int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
+                            int num_threads) {
+    return M >= AVX2_PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
+                                     : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
+}
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
