@@ -1200,47 +1200,6 @@ INLINE void panel_tile(const float *x, int K, const float *panel, const float *b
     }
 }
 
-static int packed_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
-                             int N, int K, int num_threads) {
-    const int panels = (N + PANEL - 1) / PANEL;
-    const size_t panel_floats = (size_t)K * PANEL;
-    float *scratch = aligned_alloc(64, (size_t)num_threads * panel_floats * sizeof(float));
-    if (!scratch) return -1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *panel = scratch + (size_t)omp_get_thread_num() * panel_floats;
-#pragma omp for schedule(static)
-        for (int p = 0; p < panels; p++) {
-            const int n0 = p * PANEL, NB = N - n0 < PANEL ? N - n0 : PANEL;
-            pack_panel(w, wdtype, n0, NB, K, panel);
-            const float *bp = bias ? bias + n0 : 0;
-            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
-                const float *xm = x + (int64_t)m0 * K;
-                float *ym = y + (int64_t)m0 * N + n0;
-#define PANEL_CASE(mb) case mb: panel_tile(xm, K, panel, bp, ym, N, NB, mb); break;
-                switch (M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS) { /* constant row counts: registers */
-                    PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
-                    PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
-                }
-#undef PANEL_CASE
-            }
-        }
-    }
-    free(scratch);
-    return 0;
-}
-
-int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
-                      int num_threads) {
-    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
-                                : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
-}
-
-int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
-                            int num_threads) {
-    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
-                                : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
-}
 #elif defined(PAGODA_AVX2)
 int pagoda_has_f32_linear(void) { return 1; }
 
@@ -1328,12 +1287,12 @@ DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
  * packs 16 outputs' weights into a [K][16] panel (8 x 8 blocks transposed in registers, bf16 widened
  * exactly) and 6 rows at a time broadcast their inputs against it: 12 accumulators, 2 panel loads and 6
  * broadcasts per 12 FMAs, no reductions (16 registers). Each output is the fp32 sum over k in order.
- * From AVX2_PACKED_MIN_ROWS, where the dot-product passes reload each row block for every 4 outputs
+ * From PACKED_MIN_ROWS, where the dot-product passes reload each row block for every 4 outputs
  * (Zen 3, SmolLM2's projections and head: equal at 32 rows, 100-113 vs 146-159 ms at 64, 176-183 vs
  * 232-272 at 128; see docs/benchmarks.md for torch's GEMM past that). */
-#define PANEL8 16
-#define PANEL8_ROWS 6
-#define AVX2_PACKED_MIN_ROWS 48
+#define PANEL 16
+#define PANEL_ROWS 6
+#define PACKED_MIN_ROWS 48
 
 INLINE void transpose8(__m256 r[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -1350,23 +1309,23 @@ INLINE void transpose8(__m256 r[8]) {
     r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-INLINE void pack_panel8(const void *w, const int wdtype, int64_t n0, int NB, int K, float *panel) {
-    for (int j0 = 0; j0 < PANEL8; j0 += 8)
+INLINE void pack_panel(const void *w, const int wdtype, int64_t n0, int NB, int K, float *panel) {
+    for (int j0 = 0; j0 < PANEL; j0 += 8)
         for (int k = 0; k < K; k += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++)
                 r[i] = j0 + i < NB ? load8(w, (n0 + j0 + i) * K + k, K - k, wdtype) : _mm256_setzero_ps();
             transpose8(r); /* r[kk]: input k + kk of the 8 outputs */
-            for (int kk = 0; kk < 8 && k + kk < K; kk++) _mm256_store_ps(panel + (int64_t)(k + kk) * PANEL8 + j0, r[kk]);
+            for (int kk = 0; kk < 8 && k + kk < K; kk++) _mm256_store_ps(panel + (int64_t)(k + kk) * PANEL + j0, r[kk]);
         }
 }
 
-INLINE void panel8_tile(const float *x, int K, const float *panel, const float *bias, float *y, int ldy, int NB,
+INLINE void panel_tile(const float *x, int K, const float *panel, const float *bias, float *y, int ldy, int NB,
                         const int MB) {
-    __m256 acc[PANEL8_ROWS][2];
+    __m256 acc[PANEL_ROWS][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
-        const __m256 lo = _mm256_load_ps(panel + (int64_t)k * PANEL8), hi = _mm256_load_ps(panel + (int64_t)k * PANEL8 + 8);
+        const __m256 lo = _mm256_load_ps(panel + (int64_t)k * PANEL), hi = _mm256_load_ps(panel + (int64_t)k * PANEL + 8);
         for (int m = 0; m < MB; m++) {
             const __m256 a = _mm256_broadcast_ss(x + (int64_t)m * K + k);
             acc[m][0] = _mm256_fmadd_ps(a, lo, acc[m][0]);
@@ -1382,46 +1341,6 @@ INLINE void panel8_tile(const float *x, int K, const float *panel, const float *
     }
 }
 
-static int packed_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
-                             int N, int K, int num_threads) {
-    const int panels = (N + PANEL8 - 1) / PANEL8;
-    const size_t panel_floats = (size_t)K * PANEL8;
-    float *scratch = aligned_alloc(32, (size_t)num_threads * panel_floats * sizeof(float));
-    if (!scratch) return -1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *panel = scratch + (size_t)omp_get_thread_num() * panel_floats;
-#pragma omp for schedule(static)
-        for (int p = 0; p < panels; p++) {
-            const int n0 = p * PANEL8, NB = N - n0 < PANEL8 ? N - n0 : PANEL8;
-            pack_panel8(w, wdtype, n0, NB, K, panel);
-            const float *bp = bias ? bias + n0 : 0;
-            for (int m0 = 0; m0 < M; m0 += PANEL8_ROWS) {
-                const float *xm = x + (int64_t)m0 * K;
-                float *ym = y + (int64_t)m0 * N + n0;
-#define PANEL8_CASE(mb) case mb: panel8_tile(xm, K, panel, bp, ym, N, NB, mb); break;
-                switch (M - m0 < PANEL8_ROWS ? M - m0 : PANEL8_ROWS) { /* constant row counts: registers */
-                    PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4) PANEL8_CASE(5) PANEL8_CASE(6)
-                }
-#undef PANEL8_CASE
-            }
-        }
-    }
-    free(scratch);
-    return 0;
-}
-
-int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
-                      int num_threads) {
-    return M >= AVX2_PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
-                                     : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
-}
-
-int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
-                            int num_threads) {
-    return M >= AVX2_PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
-                                     : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
-}
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
@@ -1431,6 +1350,54 @@ int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *
 int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
                             int num_threads) {
     return -1;
+}
+#endif
+
+#if defined(__AVX512F__) || defined(PAGODA_AVX2)
+/* Many fp32 rows, either tier: each thread packs PANEL outputs' weights at a time (`pack_panel`) and
+ * PANEL_ROWS rows at a time broadcast their inputs against it (`panel_tile`), from PACKED_MIN_ROWS. */
+static int packed_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
+                             int N, int K, int num_threads) {
+    const int panels = (N + PANEL - 1) / PANEL;
+    const size_t panel_floats = (size_t)K * PANEL;
+    float *scratch = aligned_alloc(64, (size_t)num_threads * panel_floats * sizeof(float));
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *panel = scratch + (size_t)omp_get_thread_num() * panel_floats;
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const int n0 = p * PANEL, NB = N - n0 < PANEL ? N - n0 : PANEL;
+            pack_panel(w, wdtype, n0, NB, K, panel);
+            const float *bp = bias ? bias + n0 : 0;
+            for (int m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+                const float *xm = x + (int64_t)m0 * K;
+                float *ym = y + (int64_t)m0 * N + n0;
+#define PANEL_CASE(mb) case mb: panel_tile(xm, K, panel, bp, ym, N, NB, mb); break;
+                switch (M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS) { /* constant row counts: registers */
+                    PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6)
+#if PANEL_ROWS > 6
+                    PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11) PANEL_CASE(12)
+#endif
+                }
+#undef PANEL_CASE
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                      int num_threads) {
+    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
+                                : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
+}
+
+int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
+                            int num_threads) {
+    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
+                                : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
 }
 #endif
 

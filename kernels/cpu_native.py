@@ -202,7 +202,7 @@ def paged_decode_attention(
 # outer-product one (`PACKED_MIN_ROWS`): Zen 5, SmolLM2's projections at 256-2,048 rows, 301-378
 # GFLOP/s against oneDNN's 157-170 (its bf16 one wins there from 128 rows: 546-736 against 477-506).
 # AVX2 (Zen 3, no AVX-512): fp32 at every size, the 8-lane dot products to 47 rows (1.4-3.7x at 1-32
-# rows) and 16-output packed panels from 48 (`AVX2_PACKED_MIN_ROWS`: SmolLM2's projections at 48 / 128
+# rows) and 16-output packed panels from 48 (`PACKED_MIN_ROWS`: SmolLM2's projections at 48 / 128
 # / 256 / 1,024 rows 127 / 150 / 160 / 164 GFLOP/s against oneDNN's 90 / 96 / 117 / 147); bf16 (widened
 # to fp32 in registers) at every size: 84-95 GFLOP/s against torch's 15-20, which has no bf16
 # arithmetic to use there.
@@ -217,7 +217,7 @@ AVX2_BF16_MAX_ROWS = EVERY_STEP
 
 def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
     """Rows up to which the vector kernel of `dtype` (`pagoda_linear_bf16` / `_f32`: dot-product tiles,
-    for fp32 packed panels from PACKED_MIN_ROWS, or AVX2_PACKED_MIN_ROWS on AVX2) runs (0: never)."""
+    for fp32 packed panels from PACKED_MIN_ROWS: 256 with AVX-512, 48 on AVX2) runs (0: never)."""
     avx512 = lib.lanes == 16
     if dtype == torch.bfloat16:
         if not lib.pagoda_has_bf16_linear():
