@@ -11,6 +11,7 @@ The kernels alone are `kernels/bench.py` (run first when a GPU is lent); this is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -47,9 +48,18 @@ CHECK_TOKENS = 16
 ENGINE_PROMPT, ENGINE_STEPS = 512, 32
 
 
+# The engine paths compared on the device: the op-by-op reference, the Triton kernels launched step by
+# step, and the Triton kernels with decode steps replayed from CUDA graphs (the default on CUDA).
+GREEDY_PATHS = {
+    "torch": dict(attention_backend="torch", enforce_eager=True),
+    "triton, eager": dict(attention_backend="triton", enforce_eager=True),
+    "triton, CUDA graphs": dict(attention_backend="triton"),
+}
+
+
 def check_engine_greedy(report: Report, device) -> None:
-    """The engine end to end on the device: greedy tokens on the Triton path equal the torch path's
-    (fp32, a small random Llama; chunked prefill and a prefix-cache hit included)."""
+    """The engine end to end on the device: greedy tokens of the Triton path, eager and from CUDA graphs,
+    equal the torch path's (fp32, a small random Llama; chunked prefill and a prefix-cache hit included)."""
     generator = torch.Generator().manual_seed(1)
 
     def random_ids(n: int) -> list[int]:
@@ -61,22 +71,23 @@ def check_engine_greedy(report: Report, device) -> None:
     tokens = {}
     with tempfile.TemporaryDirectory() as folder:
         make_random_llama(Path(folder), device, CHECK_MODEL, torch.float32)
-        for backend in ("torch", "triton"):
+        for path, engine_args in GREEDY_PATHS.items():
             loaded = load_model(folder, dtype="float32", device=device)
             llm = LLM(loaded=loaded, device=str(device), block_size=BLOCK_SIZE, max_num_batched_tokens=64,
-                      num_blocks=256, attention_backend=backend)  # fmt: skip
+                      num_blocks=256, max_num_seqs=8, **engine_args)  # fmt: skip
             llm.generate(prompts[:1], params)  # caches the shared prefix for the others
-            tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+            tokens[path] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
             del llm, loaded
-    differing = sum(a != b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
-    report.checks.append(
-        {
-            "kernel": "engine",
-            "case": f"greedy tokens, triton vs torch path (fp32, {len(prompts)} prompts x {CHECK_TOKENS})",
-            "rel_err": differing / len(prompts),  # the share of prompts whose tokens differ
-            "ok": differing == 0,
-        }
-    )
+    for path, against in (("triton, eager", "torch"), ("triton, CUDA graphs", "triton, eager")):
+        differing = sum(a != b for a, b in zip(tokens[against], tokens[path], strict=True))
+        report.checks.append(
+            {
+                "kernel": "engine",
+                "case": f"greedy tokens, {path} vs {against} (fp32, {len(prompts)} prompts x {CHECK_TOKENS})",
+                "rel_err": differing / len(prompts),  # the share of prompts whose tokens differ
+                "ok": differing == 0,
+            }
+        )
 
 
 def time_engine_decode(report: Report, device) -> None:
@@ -97,10 +108,16 @@ def time_engine_decode(report: Report, device) -> None:
             f"{pool.block_size} tokens ({pool.num_blocks * pool.block_size} tokens, "
             f"{pool.num_blocks * sized.spec.bytes_per_block / 2**30:.2f} GiB)"
         )
+        if sized.runner.graphs is not None:
+            graphs = sized.runner.graphs
+            report.notes.append(
+                f"decode CUDA graphs at the default max_num_seqs: {len(graphs.sizes)} batch sizes up to "
+                f"{graphs.sizes[-1]}, captured in {graphs.capture_seconds:.1f} s"
+            )
         del sized, pool
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        for batch in ENGINE_BATCHES:
+        for batch, graphs in itertools.product(ENGINE_BATCHES, (True, False)):
             blocks = batch * blocks_for_tokens(ENGINE_PROMPT + ENGINE_STEPS + 1, BLOCK_SIZE) + 8
             engine = LLMEngine(
                 EngineArgs(
@@ -111,10 +128,12 @@ def time_engine_decode(report: Report, device) -> None:
                     max_num_seqs=batch,
                     num_blocks=blocks,
                     enable_prefix_caching=False,
+                    enforce_eager=not graphs,
                     seed=0,
                 ),
                 loaded=loaded,
             )
+            captured = engine.runner.graphs
             params = SamplingParams(max_tokens=ENGINE_STEPS, temperature=0.0, ignore_eos=True)
             prompt_gen = torch.Generator().manual_seed(batch)
             for i in range(batch):
@@ -137,6 +156,8 @@ def time_engine_decode(report: Report, device) -> None:
             report.engine.append(
                 {
                     "batch": batch,
+                    "mode": "CUDA graphs" if graphs else "eager",
+                    "capture_s": captured.capture_seconds if captured else None,
                     "context": ENGINE_PROMPT,
                     "decode_steps": len(step_seconds),
                     "step_ms": median * 1e3,
@@ -171,9 +192,12 @@ def markdown(report: Report) -> str:
     lines += [f"| {c['kernel']} | {c['case']} | {c['rel_err']:.2f} | {'yes' if c['ok'] else '**NO**'} |"
               for c in report.checks]
     if report.engine:
-        lines += ["", "| engine decode step | context | median ms | tokens/s |", "|---|---|---|---|"]
-        lines += [f"| batch {e['batch']} | {e['context']} | {e['step_ms']:.2f} | {e['tokens_per_s']:.0f} |"
-                  for e in report.engine]
+        lines += ["", "| engine decode step | mode | context | median ms | tokens/s | capture s |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for e in report.engine:
+            capture = "" if e["capture_s"] is None else f"{e['capture_s']:.1f}"
+            lines.append(f"| batch {e['batch']} | {e['mode']} | {e['context']} | {e['step_ms']:.2f} | "
+                         f"{e['tokens_per_s']:.0f} | {capture} |")  # fmt: skip
     lines += [""] + [f"- {note}" for note in report.notes]
     return "\n".join(lines)
 

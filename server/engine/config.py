@@ -60,6 +60,7 @@ class EngineArgs:
     cpu_threads: int | None = None  # None = the cores this process may use (affinity, cgroup limit)
     num_blocks: int | None = None  # override the pool size (tests use tiny pools)
     attention_backend: str = "auto"  # auto = Triton on CUDA, the fused CPU backend on CPU; torch = the reference
+    enforce_eager: bool = False  # CUDA: no graphs of decode steps, every step launched op by op
     tensor_parallel_size: int = 1  # ranks the model is split over (parallel/)
     nnodes: int = 1  # nodes those ranks span (a LeaderWorkerSet group); this process is node 0
 
@@ -126,6 +127,13 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=env_bool(env("enable-chunked-prefill", None), DEFAULTS["enable_chunked_prefill"]),
             help="prefill long prompts in chunks within the per-step token budget",
+        )
+        group.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            default=env_bool(env("enforce-eager", None), DEFAULTS["enforce_eager"]),
+            help="CUDA: launch every step op by op instead of replaying captured decode graphs "
+            "(saves the graphs' capture time and memory; decode steps run slower)",
         )
         return parser
 

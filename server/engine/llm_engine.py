@@ -95,6 +95,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("kv_cache_memory: the KV cache budget holds no block; give it more memory")
         self.runner.allocate(num_blocks)
+        if loaded.device.type == "cuda" and not args.enforce_eager and self.tp_size == 1:
+            self.runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
         self.kv_events = KVEventLog()
         self.block_manager = BlockManager(
             num_blocks, args.block_size, args.enable_prefix_caching, events=self.kv_events

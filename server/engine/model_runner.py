@@ -19,6 +19,7 @@ import torch
 from pagoda.kernels import get_backend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.block_manager import blocks_for_tokens
+from pagoda.server.engine.cuda_graphs import DecodeGraphs
 from pagoda.server.engine.layers.attention import use_backend
 from pagoda.server.engine.prompt_logprobs import prompt_score_rows, score_prompt_tokens
 from pagoda.server.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -107,6 +108,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, once captured
         self.timings = StepTimings()
 
     # ---- KV pool sizing ------------------------------------------------------------------------
@@ -148,7 +150,13 @@ class ModelRunner:
 
     def allocate(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.graphs = None  # captured on the old pool's addresses
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, self.device)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward as CUDA graphs (`cuda_graphs.py`), after `allocate`."""
+        max_blocks = blocks_for_tokens(max_model_len, self.spec.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_blocks)
 
     # ---- one step --------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -237,6 +245,8 @@ class ModelRunner:
     def run(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Block copies, the forward, the sampled rows' logits: (hidden states, logits)."""
         self.copy_blocks(step.block_copies)
+        if self.graphs is not None and self.graphs.covers(step):
+            return self.graphs.run(step)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
         rows = step.sample_rows  # increasing: all of them is every row (a decode step), no copy
         sampled = hidden if len(rows) == hidden.shape[0] else hidden[rows]

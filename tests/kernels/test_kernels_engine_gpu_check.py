@@ -40,7 +40,9 @@ def test_engine_gpu_check_runs_every_path(engine_check, tmp_path):
 
     assert report.engine and report.engine[0]["decode_steps"] >= 1, report.notes
     assert any(note.startswith("engine KV pool sized") for note in report.notes)
-    assert [c["ok"] for c in report.checks if c["kernel"] == "engine"] == [True]  # triton == torch greedy
+    # triton == torch greedy, and the CUDA-graph path == eager (the same path here: no graphs on CPU)
+    assert [c["ok"] for c in report.checks if c["kernel"] == "engine"] == [True, True]
+    assert [(e["batch"], e["mode"]) for e in report.engine] == [(2, "CUDA graphs"), (2, "eager")]
     assert report.passed
     saved = json.loads((tmp_path / "engine_check.json").read_text())
     assert saved["passed"] is True
