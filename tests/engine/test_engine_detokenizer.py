@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from pagoda.server.engine.detokenizer import IncrementalDetokenizer
+from pagoda.server.engine.detokenizer import IncrementalDetokenizer, text_decoder
 
 TEXT = " Café, naïve, 東京 and 🙂 in München — ok"
 
@@ -39,3 +39,24 @@ def test_stop_string_is_held_back_while_it_could_still_match(llama):
         if stopped:
             break
     assert stopped == "brown fox" and visible == " The quick "
+
+
+def test_text_decoder_equals_the_tokenizers_decode(tiny, smollm2):
+    """The direct backend decode gives exactly transformers' `decode(..., skip_special_tokens=True)`,
+    special tokens and split multi-byte characters included; clean-up on keeps transformers' path."""
+    for tok in (tiny("llama").tokenizer, tiny("qwen3").tokenizer, smollm2.tokenizer):
+        decode = text_decoder(tok)
+        assert decode.func == tok._tokenizer.decode  # the fast path is the one taken
+        ids = tok.encode(TEXT, add_special_tokens=False)
+        special = sorted(tok.all_special_ids)
+        for piece in (ids, ids[:3], ids[1:-2], special + ids[:5] + special, []):
+            assert decode(piece) == tok.decode(piece, skip_special_tokens=True)
+
+    class CleaningUp:
+        clean_up_tokenization_spaces = True
+        _tokenizer = object()
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "cleaned"
+
+    assert text_decoder(CleaningUp())([1]) == "cleaned"
