@@ -12,7 +12,9 @@ copy the step's inputs into the buffers, pad the rows up to the bucket, replay, 
 stores its K/V nowhere (slot -1) and attends to one token of block 0 (read, never written): its output
 is discarded. The decode kernel sizes its split from the block table's width, so the graphs use the
 widest table a sequence can have (`max_model_len` tokens) and a shorter sequence leaves the extra
-partitions empty.
+partitions empty. The graphs share one memory pool, sized by the largest bucket (its activations and
+fp32 logits, rows x vocab), allocated after the KV pool: it comes out of the share of the GPU that
+`--gpu-memory-utilization` leaves free.
 """
 
 from __future__ import annotations
