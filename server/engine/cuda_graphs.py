@@ -28,7 +28,7 @@ from pagoda.server.engine.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURED_SEQS = 512  # larger decode batches are device-bound: launches are hidden behind the work
+MAX_CAPTURED_SEQS = 512  # bounds the capture time and the pool; larger decode batches run eagerly
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (hidden states, logits), one row per sequence
 # Captures `forward` and returns a function that replays it into the tensors of its first call; the
@@ -128,10 +128,10 @@ class DecodeGraphs:
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         width = meta.decode_block_tables.shape[1]
         self.block_tables[:rows, :width].copy_(meta.decode_block_tables)
-        # Padding rows (a larger batch's leftovers): nothing stored, one token of block 0 read.
-        self.slot_mapping[rows:size].fill_(-1)
-        self.context_lens[rows:size].fill_(1)
-        self.block_tables[rows:size, 0].fill_(0)
+        if size > rows:  # padding rows (a larger batch's leftovers): nothing stored, block 0 read
+            self.slot_mapping[rows:size].fill_(-1)
+            self.context_lens[rows:size].fill_(1)
+            self.block_tables[rows:size, 0].fill_(0)
         replay, (hidden, logits) = self.replays[size]
         replay()
         return hidden[:rows], logits[:rows]
