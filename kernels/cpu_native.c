@@ -1341,6 +1341,114 @@ INLINE void panel_tile(const float *x, int K, const float *panel, const float *b
     }
 }
 
+/* ---- Some fp32 rows in 8 lanes: the rows in the lanes, the weights read in place ----------------
+ * From LANES_MIN_ROWS to PACKED_MIN_ROWS: the step's rows are transposed once per call into blocks
+ * of 16 ([K][16], zero-padded; a last block of up to 8 rows is [K][8]), and each thread takes 6 outputs
+ * at a time: for each input k, the block's two 8-row vectors of x^T against each output's weight
+ * broadcast from its row (12 accumulators, 2 + 6 loads per 12 FMAs, no reductions, 15 registers).
+ * The weights stay in their layout (bf16 ones widened as broadcast), read as 6 sequential streams,
+ * the next 6 rows prefetched into L2 while the first block computes; further blocks find them in L1 /
+ * L2. Each output is the fp32 sum over k in order, the packed panels' arithmetic: the two give the
+ * same bits. Where the dot-product passes (2 rows x 4 outputs) reduce 8 sums per output and reload
+ * the rows for every 4 outputs, this ran SmolLM2's fp32 projections at 16 rows 1.2-1.4x as fast (Zen
+ * 3, 2 threads, weights from DRAM: 25-34 against 34-42 ms), at 20-47 rows 1.0-1.2x, on bf16 weights
+ * 1.0-1.3x at 12-40 rows; below 12 rows,
+ * where a block of 16 lanes holds fewer rows and the weight stream bounds the step, it was 0.85-1.0x
+ * (docs/benchmarks.md). */
+#define LANES_MIN_ROWS 12
+#define LANE_BLOCK 16
+#define LANE_OUTPUTS 6
+
+/* Whether an M-row step is the lanes kernel's: from LANES_MIN_ROWS, unless its last block would hold
+ * one or two rows (another pass over each tile for little arithmetic: 0.9x the dot products at 17-18). */
+static inline int lanes_take(int M) {
+    const int last = M % LANE_BLOCK;
+    return M >= LANES_MIN_ROWS && (last == 0 || last > 2);
+}
+
+/* Weight i of w in 8 fp32 lanes, exactly (a bf16 is the top half of an fp32). A bf16 at i >= 1 is
+ * broadcast as one 32-bit word with the bf16 before it, whose bits are masked off: one load and one
+ * AND, where widening it alone took four instructions (0.7-0.8x the dot products at 12-40 rows). */
+INLINE __m256 broadcast_weight(const void *w, int64_t i, const int wdtype, const int first) {
+    if (wdtype == DTYPE_F32) return _mm256_broadcast_ss((const float *)w + i);
+    if (first) return _mm256_castsi256_ps(_mm256_set1_epi32((int)((const uint16_t *)w)[i] << 16));
+    const __m256 top_half = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
+    return _mm256_and_ps(_mm256_broadcast_ss((const float *)((const uint16_t *)w + i - 1)), top_half);
+}
+
+/* Input k of the tile: the rows' x^T vectors (lo: rows 0-7, hi: 8-15) times each output's weight. */
+INLINE void lanes_step(__m256 acc[2][LANE_OUTPUTS], const float *xt, int k, const char *const w[LANE_OUTPUTS],
+                       const int wdtype, const int vectors, const int first) {
+    const int width = vectors * 8;
+    const __m256 lo = _mm256_load_ps(xt + (int64_t)k * width);
+    const __m256 hi = vectors == 2 ? _mm256_load_ps(xt + (int64_t)k * width + 8) : lo;
+    _Pragma("GCC unroll 8") for (int n = 0; n < LANE_OUTPUTS; n++) {
+        const __m256 b = broadcast_weight(w[n], k, wdtype, first);
+        acc[0][n] = _mm256_fmadd_ps(lo, b, acc[0][n]);
+        if (vectors == 2) acc[1][n] = _mm256_fmadd_ps(hi, b, acc[1][n]);
+    }
+}
+
+/* Outputs w[0..6) (rows of K weights; repeats of the last past NB) for the `vectors` x 8 rows of xt. */
+INLINE void lanes_tile(const float *xt, int K, const char *const w[LANE_OUTPUTS], const int wdtype, const float *bias,
+                       float *y, int ldy, int rows, int NB, const char *next, const int vectors) {
+    const int wsize = wdtype == DTYPE_BF16 ? 2 : 4;
+    __m256 acc[2][LANE_OUTPUTS];
+    _Pragma("GCC unroll 8") for (int n = 0; n < LANE_OUTPUTS; n++) acc[0][n] = acc[1][n] = _mm256_setzero_ps();
+    lanes_step(acc, xt, 0, w, wdtype, vectors, 1);
+    for (int k = 1; k < K; k++) {
+        if (next && (int64_t)k * wsize % 64 == 0) /* a line of each next row per line of these */
+            _Pragma("GCC unroll 8") for (int n = 0; n < LANE_OUTPUTS; n++)
+                _mm_prefetch(next + ((int64_t)n * K + k) * wsize, _MM_HINT_T2);
+        lanes_step(acc, xt, k, w, wdtype, vectors, 0);
+    }
+    _Pragma("GCC unroll 8") for (int n = 0; n < LANE_OUTPUTS; n++) { /* constant bounds: acc stays in registers */
+        if (n >= NB) break;
+        float sums[LANE_BLOCK];
+        _mm256_storeu_ps(sums, acc[0][n]);
+        if (vectors == 2) _mm256_storeu_ps(sums + 8, acc[1][n]);
+        for (int m = 0; m < rows; m++) y[(int64_t)m * ldy + n] = bias ? sums[m] + bias[n] : sums[m];
+    }
+}
+
+static int lanes_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
+                            int N, int K, int num_threads) {
+    const int blocks = (M + LANE_BLOCK - 1) / LANE_BLOCK;
+    const int64_t row_bytes = (int64_t)K * (wdtype == DTYPE_BF16 ? 2 : 4);
+    float *xt = aligned_alloc(64, (size_t)blocks * LANE_BLOCK * K * sizeof(float));
+    if (!xt) return -1;
+    for (int b = 0; b < blocks; b++) { /* block b: rows 16b.. as [K][width], at xt + 16bK */
+        const int m0 = b * LANE_BLOCK, rows = M - m0 < LANE_BLOCK ? M - m0 : LANE_BLOCK, width = rows > 8 ? 16 : 8;
+        float *block = xt + (size_t)m0 * K;
+        for (int m = 0; m < width; m++)
+            for (int k = 0; k < K; k++) block[(int64_t)k * width + m] = m < rows ? x[(int64_t)(m0 + m) * K + k] : 0.0f;
+    }
+    const int tiles = (N + LANE_OUTPUTS - 1) / LANE_OUTPUTS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * LANE_OUTPUTS, NB = N - n0 < LANE_OUTPUTS ? N - n0 : LANE_OUTPUTS;
+        const char *rows_of[LANE_OUTPUTS];
+        for (int n = 0; n < LANE_OUTPUTS; n++) rows_of[n] = (const char *)w + (n0 + (n < NB ? n : NB - 1)) * row_bytes;
+        const char *next = N - n0 >= 2 * LANE_OUTPUTS ? (const char *)w + (n0 + LANE_OUTPUTS) * row_bytes : 0;
+        const float *bn = bias ? bias + n0 : 0;
+        for (int b = 0; b < blocks; b++) {
+            const int m0 = b * LANE_BLOCK, rows = M - m0 < LANE_BLOCK ? M - m0 : LANE_BLOCK;
+            const float *block = xt + (size_t)m0 * K;
+            const char *pf = b == 0 ? next : 0;
+            float *yb = y + (int64_t)m0 * N + n0;
+            if (wdtype == DTYPE_BF16) {
+                if (rows > 8) lanes_tile(block, K, rows_of, DTYPE_BF16, bn, yb, N, rows, NB, pf, 2);
+                else lanes_tile(block, K, rows_of, DTYPE_BF16, bn, yb, N, rows, NB, pf, 1);
+            } else {
+                if (rows > 8) lanes_tile(block, K, rows_of, DTYPE_F32, bn, yb, N, rows, NB, pf, 2);
+                else lanes_tile(block, K, rows_of, DTYPE_F32, bn, yb, N, rows, NB, pf, 1);
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}
+
 #else
 int pagoda_has_f32_linear(void) { return 0; }
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
@@ -1390,14 +1498,20 @@ static int packed_linear_f32(const float *x, const void *w, const int wdtype, co
 
 int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                       int num_threads) {
-    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads)
-                                : dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
+    if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads);
+#if defined(PAGODA_AVX2)
+    if (lanes_take(M)) return lanes_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads);
+#endif
+    return dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
 }
 
 int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int M, int N, int K,
                             int num_threads) {
-    return M >= PACKED_MIN_ROWS ? packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads)
-                                : dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
+    if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
+#if defined(PAGODA_AVX2)
+    if (lanes_take(M)) return lanes_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
+#endif
+    return dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
 }
 #endif
 

@@ -202,7 +202,8 @@ def paged_decode_attention(
 # outer-product one (`PACKED_MIN_ROWS`): Zen 5, SmolLM2's projections at 256-2,048 rows, 301-378
 # GFLOP/s against oneDNN's 157-170 (its bf16 one wins there from 128 rows: 546-736 against 477-506).
 # AVX2 (Zen 3, no AVX-512): fp32 at every size, the 8-lane dot products to 47 rows (1.4-3.7x at 1-32
-# rows) and 16-output packed panels from 48 (`PACKED_MIN_ROWS`: SmolLM2's projections at 48 / 128
+# rows; from 12 rows the rows-in-lanes kernel instead, `LANES_MIN_ROWS`: 1.2-1.4x the dot products at
+# 16) and 16-output packed panels from 48 (`PACKED_MIN_ROWS`: SmolLM2's projections at 48 / 128
 # / 256 / 1,024 rows 127 / 150 / 160 / 164 GFLOP/s against oneDNN's 90 / 96 / 117 / 147); bf16 (widened
 # to fp32 in registers) at every size: 84-95 GFLOP/s against torch's 15-20, which has no bf16
 # arithmetic to use there.

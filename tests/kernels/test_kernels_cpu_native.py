@@ -92,7 +92,7 @@ def test_decode_attention_refuses_a_block_outside_the_cache(generator):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 37, 64, 65, 128, 129, 256, 257, 512, 513])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 16, 17, 24, 33, 37, 64, 65, 128, 129, 256, 257, 512, 513])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50)])
 def test_linear_matches_torch(dtype, rows, out_features, in_features, generator):
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
@@ -110,7 +110,7 @@ def test_linear_matches_torch(dtype, rows, out_features, in_features, generator)
     assert (y.float() - expected).abs().max() <= (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64, 256])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 12, 16, 17, 24, 64, 256])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1000, 576), (64, 96), (7, 50), (9, 1536)])
 def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features, in_features, generator):
     """A bf16 weight under fp32 rows is widened in registers: the fp32 kernel's result on the widened
@@ -125,6 +125,20 @@ def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features,
     assert y is not None and y.dtype == torch.float32
     assert torch.equal(y, cpu_native.linear(x, weight.float(), bias))
     assert cpu_native.linear(x.bfloat16(), weight, bias) is None  # an fp32 bias under bf16 rows: torch's
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_avx2_fp32_rows_from_12_do_not_depend_on_the_step_size(weight_dtype, generator):
+    """On AVX2 the fp32 kernels past 11 rows (rows in lanes, then packed panels from 48) sum each output
+    over k in order with one FMA chain: a row's output is the same bits whatever other rows share the step."""
+    if cpu_native.library().lanes != 8:
+        pytest.skip("the AVX2 tier's kernels (the AVX-512 one runs again under x86-64-v3)")
+    x = torch.randn(64, 576, generator=generator)
+    weight = torch.randn(1000, 576, generator=generator).to(weight_dtype)
+    bias = torch.randn(1000, generator=generator)
+    whole = cpu_native.linear(x, weight, bias)
+    for rows in (12, 15, 16, 20, 24, 37, 47):
+        assert torch.equal(cpu_native.linear(x[:rows], weight, bias), whole[:rows]), rows
 
 
 def test_linear_declines_many_rows_and_other_devices():

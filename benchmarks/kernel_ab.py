@@ -1,0 +1,108 @@
+"""Two builds of the native CPU kernels in one engine, step by step: where a kernel change pays.
+
+The source of `kernels/cpu_native.c` at `--before REV` and the working tree's are both built and
+loaded into one process; the engine runs the c16 workload of `peer_serve.py` offline (its prompt
+sets in turn) and consecutive steps alternate between the two libraries, so both see the same host
+moment, the same batch sizes and the same caches. Each step's forward (`ModelRunner.run`) is timed
+and the report groups the steps by their rows: count, total and median per build.
+
+    .venv/bin/python benchmarks/kernel_ab.py --before HEAD~1 --model /path/to/SmolLM2-135M-Instruct --dtype float32
+
+The embedded GGUF model is the default (`--model` unset). Whole-run throughput on this kind of
+shared host moves by ±10 % between runs minutes apart; alternating steps cancels most of that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+GROUPS = {"1": range(1, 2), "2-11": range(2, 12), "12-16": range(12, 17), "17-47": range(17, 48),
+          "48-256": range(48, 257), "257+": range(257, 1 << 31)}  # fmt: skip
+
+
+def load_both(before: str):
+    """(before, after) loaded libraries: the source at `before`, then the working tree's."""
+    from pagoda.kernels import cpu_native
+
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{before}:kernels/cpu_native.c"], capture_output=True, check=True
+    ).stdout
+    after_source = cpu_native.SOURCE
+    with tempfile.TemporaryDirectory() as folder:
+        cpu_native.SOURCE = Path(folder) / "cpu_native.c"
+        cpu_native.SOURCE.write_bytes(source)
+        old = cpu_native.library()
+    cpu_native.SOURCE, cpu_native._library = after_source, cpu_native._NOT_BUILT
+    new = cpu_native.library()
+    if old is None or new is None:
+        raise SystemExit("the native kernels did not build")
+    return old, new
+
+
+def median_ms(times: list[float]) -> float:
+    return 1e3 * sorted(times)[len(times) // 2] if times else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, metavar="REV", help="git revision of the other build")
+    parser.add_argument("--model", help="an HF folder (default: the embedded GGUF model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--runs", type=int, default=6, help="workload runs (prompt sets 0, 1, 2, 0, ...)")
+    args = parser.parse_args()
+
+    from pagoda.kernels import cpu_native
+    from pagoda.server.bench.offline import OfflineBaseline
+    from peer_serve import WORKLOADS
+
+    builds = dict(zip(("before", "after"), load_both(args.before), strict=True))
+    baseline = OfflineBaseline(
+        {"model": args.model, "dtype": args.dtype} if args.model else {"dtype": args.dtype}
+    )
+    runner = baseline.llm.engine.runner
+    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    run_step, steps_run = runner.run, [0]
+
+    def alternating_run(step):
+        name = ("before", "after")[steps_run[0] % 2]
+        steps_run[0] += 1
+        cpu_native._library = builds[name]
+        started = time.perf_counter()
+        result = run_step(step)
+        times[(name, step.input_ids.shape[0])].append(time.perf_counter() - started)
+        return result
+
+    runner.run = alternating_run
+    for run in range(args.runs):
+        baseline.run(WORKLOADS[0].requests(run % 3), max_concurrency=16)
+
+    print(
+        f"kernels at {args.before} (before) vs the working tree (after), {args.runs} runs, steps alternated"
+    )
+    print("| rows | before: steps, s, median ms | after: steps, s, median ms | median after / before |")
+    print("|---|---|---|---|")
+    for label, rows in GROUPS.items():
+        cells = []
+        for name in builds:
+            steps = [t for (which, n), ts in times.items() if which == name and n in rows for t in ts]
+            cells.append((len(steps), sum(steps), median_ms(steps)))
+        if cells[0][0] or cells[1][0]:
+            ratio = cells[1][2] / cells[0][2] if cells[0][0] and cells[1][0] else float("nan")
+            print(
+                f"| {label} | "
+                + " | ".join(f"{c}, {s:.2f}, {m:.1f}" for c, s, m in cells)
+                + f" | {ratio:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
