@@ -106,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
+    lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
@@ -403,6 +404,23 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
         index[left] = logits[left].argmax(dim=-1)
         log_norm[left] = torch.logsumexp(logits[left], dim=-1)
     return index, log_norm
+
+
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor | None:
+    """Row i's token of softmax(logits[i] / temperatures[i]) at uniform[i] in [0, 1): the first whose
+    cumulative probability exceeds uniform[i] x the row's total, as `sampler.sample_from_cdf` takes it
+    (its choice at each draw but where the two sums round apart at a token's edge). None: the rows
+    are the caller's (no kernel here, or a row holding a NaN or an infinite maximum)."""
+    lib = _takes(logits)
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    rows, vocab = logits.shape
+    temps = temperatures.to(torch.float32).contiguous()
+    draws = uniform.to(torch.float64).contiguous()
+    index = torch.empty(rows, dtype=torch.long)
+    left = lib.pagoda_sample_rows(logits.data_ptr(), rows, vocab, temps.data_ptr(), draws.data_ptr(),
+                                  index.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return index if left == 0 else None
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagoda.kernels import cpu_native
 from pagoda.kernels.reference import TorchReferenceBackend
 from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+from pagoda.server.engine.sampler import sample_from_cdf
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -241,6 +242,31 @@ def test_argmax_logsumexp_matches_torch(rows, vocab, generator):
     index, log_norm = cpu_native.argmax_logsumexp(logits)
     assert torch.equal(index, logits.argmax(dim=-1)) and index[0] == vocab // 3
     assert torch.allclose(log_norm, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+@vector_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(2000, 49152), (3000, 37), (4000, 5)])
+def test_sample_rows_inverts_the_same_distribution_as_torchs_path(rows, vocab, generator):
+    """The sampler's torch path (softmax of logits / t, cumsum, searchsorted at one uniform draw) is the
+    oracle: the same token at nearly every draw; only a draw within rounding of a token's edge may
+    land on its neighbour (the two sum the probabilities in different orders)."""
+    logits = 3 * torch.randn(rows, vocab, generator=generator)
+    temps = torch.rand(rows, generator=generator) + 0.3
+    uniform = torch.rand(rows, dtype=torch.float64, generator=generator)
+    tokens = cpu_native.sample_rows(logits, temps, uniform)
+    expected = sample_from_cdf(torch.softmax(logits / temps[:, None], dim=-1), uniform)
+    assert tokens is not None and tokens.dtype == torch.long
+    agree = (tokens == expected).float().mean().item()
+    assert agree >= (0.995 if vocab > 1000 else 1.0), agree
+
+
+@vector_kernels
+def test_sample_rows_never_picks_a_banned_token_and_leaves_nan_rows():
+    logits = torch.tensor([[-float("inf"), 0.0, -float("inf"), 0.0, -float("inf")]]).repeat(5, 1)
+    uniform = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0 - 1e-12], dtype=torch.float64)
+    assert cpu_native.sample_rows(logits, torch.ones(5), uniform).tolist() == [1, 1, 3, 3, 3]
+    logits[2, 0] = float("nan")  # torch's path decides what such a row gets
+    assert cpu_native.sample_rows(logits, torch.ones(5), uniform) is None
 
 
 @vector_kernels
