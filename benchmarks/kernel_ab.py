@@ -40,7 +40,12 @@ def load_both(before: str):
     with tempfile.TemporaryDirectory() as folder:
         cpu_native.SOURCE = Path(folder) / "cpu_native.c"
         cpu_native.SOURCE.write_bytes(source)
-        old = cpu_native.library()
+        try:
+            old = cpu_native.library()
+        except AttributeError as missing:  # an entry point this tree declares and that build lacks
+            raise SystemExit(
+                f"the kernels at {before} lack an entry point of this tree's: {missing}"
+            ) from None
     cpu_native.SOURCE, cpu_native._library = after_source, cpu_native._NOT_BUILT
     new = cpu_native.library()
     if old is None or new is None:

@@ -1535,7 +1535,7 @@ INLINE void lanes_tile(const float *xt, int K, const char *const w[LANE_OUTPUTS]
         if (n >= NB) break;
         float sums[LANE_BLOCK];
         _mm256_storeu_ps(sums, acc[0][n]);
-        if (vectors == 2) _mm256_storeu_ps(sums + 8, acc[1][n]);
+        _mm256_storeu_ps(sums + 8, acc[1][n]); /* zeros for one vector */
         for (int m = 0; m < rows; m++) y[(int64_t)m * ldy + n] = bias ? sums[m] + bias[n] : sums[m];
     }
 }
