@@ -136,19 +136,20 @@ class Sampler:
         vocab = logits.shape[-1]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
         uniform = self._draw(generators)
-        if not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 for p in params):
-            native = cpu_native.sample_rows(logits, temps, uniform)  # the plain distribution in one pass
+        top_k_or_p = any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+        uses_min_p = any(p.min_p > 0 for p in params)
+        if not (top_k_or_p or uses_min_p):  # the plain distribution in one pass (torch's ops: its oracle)
+            native = cpu_native.sample_rows(logits, temps, uniform)
             if native is not None:
                 return native
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
-        top_k_or_p, uses_min_p = bool((top_k < vocab).any()) or bool((top_p < 1.0).any()), bool((min_p > 0).any())
         logits = logits / temps[:, None]
         if top_k_or_p:
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
             logits = _filter_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
         if uses_min_p:
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return sample_from_cdf(probs, uniform)
