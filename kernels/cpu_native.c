@@ -1408,7 +1408,7 @@ INLINE void tile_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 #undef PASS_ROWS
 
 int pagoda_has_bf16_linear(void) { return 1; }
-DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
+DEFINE_LINEAR(dot_linear_bf16, uint16_t, uint16_t, tile_bf16)
 DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 
@@ -1470,20 +1470,20 @@ INLINE void panel_tile(const float *x, int K, const float *panel, const float *b
     }
 }
 
-/* ---- Some fp32 rows in 8 lanes: the rows in the lanes, the weights read in place ----------------
- * From LANES_MIN_ROWS to PACKED_MIN_ROWS: the step's rows are transposed once per call into blocks
- * of 16 ([K][16], zero-padded; a last block of up to 8 rows is [K][8]), and each thread takes 6 outputs
- * at a time: for each input k, the block's two 8-row vectors of x^T against each output's weight
- * broadcast from its row (12 accumulators, 2 + 6 loads per 12 FMAs, no reductions, 15 registers).
- * The weights stay in their layout (bf16 ones widened as broadcast), read as 6 sequential streams,
- * the next 6 rows prefetched into L2 while the first block computes; further blocks find them in L1 /
- * L2. Each output is the fp32 sum over k in order, the packed panels' arithmetic: the two give the
- * same bits. Where the dot-product passes (2 rows x 4 outputs) reduce 8 sums per output and reload
- * the rows for every 4 outputs, this ran SmolLM2's fp32 projections at 16 rows 1.2-1.4x as fast (Zen
- * 3, 2 threads, weights from DRAM: 25-34 against 34-42 ms), at 20-47 rows 1.0-1.2x, on bf16 weights
- * 1.0-1.3x at 12-40 rows; below 12 rows,
- * where a block of 16 lanes holds fewer rows and the weight stream bounds the step, it was 0.85-1.0x
- * (docs/benchmarks.md). */
+/* ---- Rows in 8 lanes, the weights read in place: fp32 steps of 12-47 rows, bf16 steps from 12 ----
+ * The step's rows are transposed once per call into blocks of 16 ([K][16] fp32, bf16 rows widened,
+ * zero-padded; a last block of up to 8 rows is [K][8]), and each thread takes 6 outputs at a time:
+ * for each input k, the block's two 8-row vectors of x^T against each output's weight broadcast from
+ * its row (12 accumulators, 2 + 6 loads per 12 FMAs, no reductions, 15 registers). The weights stay
+ * in their layout (bf16 ones widened as broadcast), read as 6 sequential streams, the next 6 rows
+ * prefetched into L2 while the first block computes; further blocks find them in L1 / L2. Each
+ * output is the fp32 sum over k in order (the packed panels' arithmetic: for fp32 rows the two give
+ * the same bits), rounded once to the rows' dtype. Where the dot-product passes (2 rows x 4 outputs)
+ * reduce 8 sums per output and reload the rows for every 4 outputs, this ran SmolLM2's projections
+ * (Zen 3, 2 threads, weights from DRAM) in fp32 at 16 rows 1.2-1.4x as fast (25-34 against 34-42
+ * ms), at 20-47 rows 1.0-1.2x, on bf16 weights 1.0-1.3x at 12-40 rows; in bf16 1.2-1.6x at 12-512
+ * rows (138-151 against 90-96 GFLOP/s from 16 rows). Below 12 rows, where a block of 16 lanes holds
+ * fewer rows and the weight stream bounds the step, it was 0.85-1.0x (docs/benchmarks.md). */
 #define LANES_MIN_ROWS 12
 #define LANE_BLOCK 16
 #define LANE_OUTPUTS 6
@@ -1519,8 +1519,8 @@ INLINE void lanes_step(__m256 acc[2][LANE_OUTPUTS], const float *xt, int k, cons
 }
 
 /* Outputs w[0..6) (rows of K weights; repeats of the last past NB) for the `vectors` x 8 rows of xt. */
-INLINE void lanes_tile(const float *xt, int K, const char *const w[LANE_OUTPUTS], const int wdtype, const float *bias,
-                       float *y, int ldy, int rows, int NB, const char *next, const int vectors) {
+INLINE void lanes_tile(const float *xt, int K, const char *const w[LANE_OUTPUTS], const int wdtype, const void *bias,
+                       void *y, int64_t at, int ldy, int rows, int NB, const char *next, const int vectors, const int dtype) {
     const int wsize = wdtype == DTYPE_BF16 ? 2 : 4;
     __m256 acc[2][LANE_OUTPUTS];
     _Pragma("GCC unroll 8") for (int n = 0; n < LANE_OUTPUTS; n++) acc[0][n] = acc[1][n] = _mm256_setzero_ps();
@@ -1536,12 +1536,13 @@ INLINE void lanes_tile(const float *xt, int K, const char *const w[LANE_OUTPUTS]
         float sums[LANE_BLOCK];
         _mm256_storeu_ps(sums, acc[0][n]);
         _mm256_storeu_ps(sums + 8, acc[1][n]); /* zeros for one vector */
-        for (int m = 0; m < rows; m++) y[(int64_t)m * ldy + n] = bias ? sums[m] + bias[n] : sums[m];
+        for (int m = 0; m < rows; m++) store_output(y, at + (int64_t)m * ldy + n, sums[m], bias, n, dtype);
     }
 }
 
-static int lanes_linear_f32(const float *x, const void *w, const int wdtype, const float *bias, float *y, int M,
-                            int N, int K, int num_threads) {
+/* y[M, N] = x W^T (+ bias), x, y and bias in `dtype` (rounded once per output), W in `wdtype`. */
+static int lanes_linear(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
+                        int M, int N, int K, int num_threads) {
     const int blocks = (M + LANE_BLOCK - 1) / LANE_BLOCK;
     const int64_t row_bytes = (int64_t)K * (wdtype == DTYPE_BF16 ? 2 : 4);
     float *xt = aligned_alloc(64, (size_t)blocks * LANE_BLOCK * K * sizeof(float));
@@ -1549,33 +1550,46 @@ static int lanes_linear_f32(const float *x, const void *w, const int wdtype, con
     for (int b = 0; b < blocks; b++) { /* block b: rows 16b.. as [K][width], at xt + 16bK */
         const int m0 = b * LANE_BLOCK, rows = M - m0 < LANE_BLOCK ? M - m0 : LANE_BLOCK, width = rows > 8 ? 16 : 8;
         float *block = xt + (size_t)m0 * K;
-        for (int m = 0; m < width; m++)
-            for (int k = 0; k < K; k++) block[(int64_t)k * width + m] = m < rows ? x[(int64_t)(m0 + m) * K + k] : 0.0f;
+        for (int m = 0; m < width; m++) {
+            const int64_t row = (int64_t)(m0 + m) * K;
+            for (int k = 0; k < K; k++)
+                block[(int64_t)k * width + m] = m >= rows                ? 0.0f
+                                                : dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)x)[row + k])
+                                                                      : ((const float *)x)[row + k];
+        }
     }
     const int tiles = (N + LANE_OUTPUTS - 1) / LANE_OUTPUTS;
+    const size_t esize = dtype == DTYPE_BF16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * LANE_OUTPUTS, NB = N - n0 < LANE_OUTPUTS ? N - n0 : LANE_OUTPUTS;
         const char *rows_of[LANE_OUTPUTS];
         for (int n = 0; n < LANE_OUTPUTS; n++) rows_of[n] = (const char *)w + (n0 + (n < NB ? n : NB - 1)) * row_bytes;
         const char *next = N - n0 >= 2 * LANE_OUTPUTS ? (const char *)w + (n0 + LANE_OUTPUTS) * row_bytes : 0;
-        const float *bn = bias ? bias + n0 : 0;
+        const void *bn = bias ? (const char *)bias + n0 * esize : 0;
         for (int b = 0; b < blocks; b++) {
             const int m0 = b * LANE_BLOCK, rows = M - m0 < LANE_BLOCK ? M - m0 : LANE_BLOCK;
             const float *block = xt + (size_t)m0 * K;
             const char *pf = b == 0 ? next : 0;
-            float *yb = y + (int64_t)m0 * N + n0;
-            if (wdtype == DTYPE_BF16) {
-                if (rows > 8) lanes_tile(block, K, rows_of, DTYPE_BF16, bn, yb, N, rows, NB, pf, 2);
-                else lanes_tile(block, K, rows_of, DTYPE_BF16, bn, yb, N, rows, NB, pf, 1);
-            } else {
-                if (rows > 8) lanes_tile(block, K, rows_of, DTYPE_F32, bn, yb, N, rows, NB, pf, 2);
-                else lanes_tile(block, K, rows_of, DTYPE_F32, bn, yb, N, rows, NB, pf, 1);
-            }
+            const int64_t at = (int64_t)m0 * N + n0;
+#define LANES_CASE(d, wd)                                                                          \
+    if (rows > 8) lanes_tile(block, K, rows_of, wd, bn, y, at, N, rows, NB, pf, 2, d);            \
+    else lanes_tile(block, K, rows_of, wd, bn, y, at, N, rows, NB, pf, 1, d);
+            if (dtype == DTYPE_BF16) { LANES_CASE(DTYPE_BF16, DTYPE_BF16) }
+            else if (wdtype == DTYPE_BF16) { LANES_CASE(DTYPE_F32, DTYPE_BF16) }
+            else { LANES_CASE(DTYPE_F32, DTYPE_F32) }
+#undef LANES_CASE
         }
     }
     free(xt);
     return 0;
+}
+
+/* bf16 rows on bf16 weights: the rows widened once into x^T, each output rounded once. */
+int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+                       int num_threads) {
+    if (lanes_take(M)) return lanes_linear(x, DTYPE_BF16, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
+    return dot_linear_bf16(x, w, bias, y, M, N, K, num_threads);
 }
 
 #else
@@ -1629,7 +1643,7 @@ int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *
                       int num_threads) {
     if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads);
 #if defined(PAGODA_AVX2)
-    if (lanes_take(M)) return lanes_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads);
+    if (lanes_take(M)) return lanes_linear(x, DTYPE_F32, w, DTYPE_F32, bias, y, M, N, K, num_threads);
 #endif
     return dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
 }
@@ -1638,7 +1652,7 @@ int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias
                             int num_threads) {
     if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
 #if defined(PAGODA_AVX2)
-    if (lanes_take(M)) return lanes_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
+    if (lanes_take(M)) return lanes_linear(x, DTYPE_F32, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
 #endif
     return dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
 }
