@@ -836,6 +836,10 @@ static inline float row_max(const float *x, int vocab, int *nan) {
 #endif
 
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
+static inline int chunk_len(int vocab, int c) {
+    return vocab - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? vocab - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+}
+
 static int64_t sample_row(const float *x, int vocab, float inv_t, double u, float *chunk_sums) {
     int nan;
     const float top = row_max(x, vocab, &nan);
@@ -843,7 +847,7 @@ static int64_t sample_row(const float *x, int vocab, float inv_t, double u, floa
     const int chunks = (vocab + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     double total = 0.0;
     for (int c = 0; c < chunks; c++) {
-        const int n = vocab - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? vocab - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+        const int n = chunk_len(vocab, c);
         chunk_sums[c] = exp_chunk(x + (int64_t)c * SAMPLE_CHUNK, n, top, inv_t, 0);
         total += chunk_sums[c];
     }
@@ -854,7 +858,7 @@ static int64_t sample_row(const float *x, int vocab, float inv_t, double u, floa
             below += chunk_sums[c];
             continue;
         }
-        const int n = vocab - c * SAMPLE_CHUNK < SAMPLE_CHUNK ? vocab - c * SAMPLE_CHUNK : SAMPLE_CHUNK;
+        const int n = chunk_len(vocab, c);
         float e[SAMPLE_CHUNK];
         exp_chunk(x + (int64_t)c * SAMPLE_CHUNK, n, top, inv_t, e);
         int last = 0;
