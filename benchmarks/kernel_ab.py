@@ -1,10 +1,11 @@
 """Two builds of the native CPU kernels in one engine, step by step: where a kernel change pays.
 
 The source of `kernels/cpu_native.c` at `--before REV` and the working tree's are both built and
-loaded into one process; the engine runs the c16 workload of `peer_serve.py` offline (its prompt
-sets in turn) and consecutive steps alternate between the two libraries, so both see the same host
-moment, the same batch sizes and the same caches. Each step's forward (`ModelRunner.run`) is timed
-and the report groups the steps by their rows: count, total and median per build.
+loaded into one process; the engine runs a workload of `peer_serve.py` offline (c16 unless
+`--workload` names another; its prompt sets in turn) and consecutive steps alternate between the two
+libraries, so both see the same host moment, the same batch sizes and the same caches. Each step's
+forward (`ModelRunner.run`) is timed and the report groups the steps by their rows: count, total and
+median per build.
 
     .venv/bin/python benchmarks/kernel_ab.py --before HEAD~1 --model /path/to/SmolLM2-135M-Instruct --dtype float32
 
@@ -63,12 +64,16 @@ def main() -> None:
     parser.add_argument("--model", help="an HF folder (default: the embedded GGUF model)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--runs", type=int, default=6, help="workload runs (prompt sets 0, 1, 2, 0, ...)")
+    parser.add_argument("--workload", default="c16", help="a peer_serve workload by the start of its name")
     args = parser.parse_args()
 
     from pagoda.kernels import cpu_native
     from pagoda.server.bench.offline import OfflineBaseline
     from peer_serve import WORKLOADS
 
+    workload = next((w for w in WORKLOADS if w.name.startswith(args.workload)), None)
+    if workload is None:
+        raise SystemExit(f"no workload {args.workload!r}: {', '.join(w.name for w in WORKLOADS)}")
     builds = dict(zip(("before", "after"), load_both(args.before), strict=True))
     baseline = OfflineBaseline(
         {"model": args.model, "dtype": args.dtype} if args.model else {"dtype": args.dtype}
@@ -88,10 +93,11 @@ def main() -> None:
 
     runner.run = alternating_run
     for run in range(args.runs):
-        baseline.run(WORKLOADS[0].requests(run % 3), max_concurrency=16)
+        baseline.run(workload.requests(run % 3), max_concurrency=workload.concurrency)
 
     print(
-        f"kernels at {args.before} (before) vs the working tree (after), {args.runs} runs, steps alternated"
+        f"kernels at {args.before} (before) vs the working tree (after), {workload.name}, {args.runs} runs, "
+        "steps alternated"
     )
     print("| rows | before: steps, s, median ms | after: steps, s, median ms | median after / before |")
     print("|---|---|---|---|")

@@ -128,6 +128,21 @@ def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features,
     assert cpu_native.linear(x.bfloat16(), weight, bias) is None  # an fp32 bias under bf16 rows: torch's
 
 
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16)])
+def test_one_row_writes_every_output(dtype, weight_dtype, generator):
+    """One row: each thread reads its share of the outputs in parts side by side (AVX2) and the
+    outputs past the last whole set of parts one by one; every output count lands each where it belongs."""
+    for out_features in (*range(1, 14), 1003):
+        x = torch.randn(1, 200, generator=generator).to(dtype)
+        weight = torch.randn(out_features, 200, generator=generator).to(weight_dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        y = cpu_native.linear(x, weight, bias)
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        assert y is not None and y.shape == (1, out_features)
+        limit = (1e-4 if dtype == torch.float32 else 2**-7) * expected.abs().max()
+        assert (y.float() - expected).abs().max() <= limit, out_features
+
+
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 def test_avx2_fp32_rows_from_12_do_not_depend_on_the_step_size(weight_dtype, generator):
     """On AVX2 the fp32 kernels past 11 rows (rows in lanes, then packed panels from 48) sum each output
