@@ -1412,10 +1412,10 @@ DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
  * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So each thread
  * takes a contiguous share of the outputs, cuts it into ROW_STREAMS parts, and computes one output
  * of each part at a time: four weight rows far apart read side by side, the input loaded once for
- * them. SmolLM2's layers + head at one row, bf16: 8.2-8.7 -> 7.1-7.3 ms (best of 15; 1.12-1.16x),
- * also ahead of a plain read of the same bytes in one stream per core. No software prefetch: it
- * made the four streams 2-5 % slower. Each output's sums are pass_rows' at one row (two sets of 8
- * lanes, even and odd 8 inputs of each 16), so the bits are those of the dot-product tiles. */
+ * them. SmolLM2's layers + head at one row, bf16: 7.7-8.2 -> 7.3-7.6 ms (best of 11, the two builds
+ * alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per core. No
+ * software prefetch: it made the four streams 2-5 % slower. Each output's sums are those of
+ * pass_rows at one row (two sets of 8 lanes: the even and odd 8 inputs of each 16), bit for bit. */
 #define ROW_STREAMS 4
 
 INLINE void stream_rows(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
