@@ -1332,9 +1332,11 @@ int pagoda_has_f32_linear(void) { return 1; }
  * weight vectors, a row's), a 3-4 row tile two passes (the second finds the weights in L1), and
  * passes of up to 4 products keep two sets of accumulators, the even and odd 8 inputs of each 16, so
  * two FMA chains run (a one-row step otherwise waits on one FMA's latency per 8 inputs). The tile's
- * prefetch is PREFETCH_NEXT's, by bytes: a line of each next row per 64 bytes of weight row. */
+ * prefetch is PREFETCH_NEXT's, by bytes: a line of each next row per 64 bytes of weight row. A pass's
+ * outputs are `apart` apart (their weight rows and their places in y and bias): 1 for a tile,
+ * further for `one_row_linear`'s streams. */
 INLINE void pass_rows(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y, int K,
-                      int ldy, const int MB, const int NB, const char *next, int next_rows) {
+                      int ldy, const int MB, const int NB, const char *next, int next_rows, int64_t apart) {
     enum { SETS = 2 };
     const int sets = MB * NB <= 4 ? 2 : 1, wsize = wdtype == DTYPE_BF16 ? 2 : 4;
     __m256 acc[SETS][2][TILE];
@@ -1349,7 +1351,7 @@ INLINE void pass_rows(const void *x, const int dtype, const void *w, const int w
         for (int h = 0; h < 2; h++) {
             const int s = sets == 2 ? h : 0;
             __m256 wv[TILE];
-            for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k + 8 * h, 8, wdtype);
+            for (int n = 0; n < NB; n++) wv[n] = load8(w, n * apart * K + k + 8 * h, 8, wdtype);
             for (int m = 0; m < MB; m++) {
                 const __m256 xv = load8(x, (int64_t)m * K + k + 8 * h, 8, dtype);
                 for (int n = 0; n < NB; n++) acc[s][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[s][m][n]);
@@ -1358,7 +1360,7 @@ INLINE void pass_rows(const void *x, const int dtype, const void *w, const int w
     }
     for (; k < K; k += 8) {
         __m256 wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = load8(w, (int64_t)n * K + k, K - k, wdtype);
+        for (int n = 0; n < NB; n++) wv[n] = load8(w, n * apart * K + k, K - k, wdtype);
         for (int m = 0; m < MB; m++) {
             const __m256 xv = load8(x, (int64_t)m * K + k, K - k, dtype);
             for (int n = 0; n < NB; n++) acc[0][m][n] = _mm256_fmadd_ps(xv, wv[n], acc[0][m][n]);
@@ -1372,17 +1374,17 @@ INLINE void pass_rows(const void *x, const int dtype, const void *w, const int w
             _mm_storeu_ps(sums, sum4_avx2(acc[0][m][0], acc[0][m][1], acc[0][m][2], acc[0][m][3]));
         else
             for (int n = 0; n < NB; n++) sums[n] = hsum8(acc[0][m][n]);
-        for (int n = 0; n < NB; n++) store_output(y, (int64_t)m * ldy + n, sums[n], bias, n, dtype);
+        for (int n = 0; n < NB; n++) store_output(y, (int64_t)m * ldy + n * apart, sums[n], bias, n * apart, dtype);
     }
 }
 
 /* A tile of up to 4 rows: passes of 2 (the registers' limit), the prefetch in the first. */
 #define PASS_ROWS(T, dtype, wdtype)                                                                          \
     do {                                                                                                    \
-        pass_rows(x, dtype, w, wdtype, bias, y, K, ldy, MB < 2 ? MB : 2, NB, (const char *)next, next_rows); \
+        pass_rows(x, dtype, w, wdtype, bias, y, K, ldy, MB < 2 ? MB : 2, NB, (const char *)next, next_rows, 1); \
         if (MB > 2)                                                                                         \
             pass_rows((const T *)x + 2 * (int64_t)K, dtype, w, wdtype, bias, (T *)y + 2 * (int64_t)ldy, K, ldy, \
-                      MB - 2, NB, 0, 0);                                                                    \
+                      MB - 2, NB, 0, 0, 1);                                                                 \
     } while (0)
 
 INLINE void tile_f32(const float *x, const float *w, const float *bias, float *y, int K, int ldy, const int MB,
@@ -1410,39 +1412,19 @@ DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
  * A one-row step reads every weight once, so the weight stream bounds it. One sequential stream per
  * core read 29-31 GB/s on Zen 3, where a plain read walking four places of its share at once read
  * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So each thread
- * takes a contiguous share of the outputs, cuts it into ROW_STREAMS parts, and computes one output
- * of each part at a time: four weight rows far apart read side by side, the input loaded once for
- * them. SmolLM2's layers + head at one row, bf16: 7.7-8.2 -> 7.3-7.6 ms (best of 11, the two builds
- * alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per core. No
- * software prefetch: it made the four streams 2-5 % slower. Each output's sums are those of
- * pass_rows at one row (two sets of 8 lanes: the even and odd 8 inputs of each 16), bit for bit. */
+ * takes a contiguous share of the outputs, cuts it into ROW_STREAMS parts, and runs one pass over
+ * an output of each part at a time: four weight rows far apart read side by side, the input loaded
+ * once for them. SmolLM2's layers + head at one row, bf16: 7.7-8.2 -> 7.3-7.6 ms (best of 11, the
+ * two builds alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per
+ * core. No software prefetch: it made the four streams 2-5 % slower. */
 #define ROW_STREAMS 4
 
-INLINE void stream_rows(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
-                        int64_t n0, int64_t apart, int K, const int S) {
-    const int wsize = wdtype == DTYPE_BF16 ? 2 : 4;
-    __m256 acc[ROW_STREAMS][2];
-    const char *rows[ROW_STREAMS];
-    for (int s = 0; s < S; s++) {
-        acc[s][0] = acc[s][1] = _mm256_setzero_ps();
-        rows[s] = (const char *)w + (n0 + s * apart) * K * wsize;
-    }
-    int k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256 x0 = load8(x, k, 8, dtype), x1 = load8(x, k + 8, 8, dtype);
-        for (int s = 0; s < S; s++) {
-            acc[s][0] = _mm256_fmadd_ps(x0, load8(rows[s], k, 8, wdtype), acc[s][0]);
-            acc[s][1] = _mm256_fmadd_ps(x1, load8(rows[s], k + 8, 8, wdtype), acc[s][1]);
-        }
-    }
-    for (; k < K; k += 8) {
-        const __m256 xv = load8(x, k, K - k, dtype);
-        for (int s = 0; s < S; s++) acc[s][0] = _mm256_fmadd_ps(xv, load8(rows[s], k, K - k, wdtype), acc[s][0]);
-    }
-    for (int s = 0; s < S; s++) {
-        const int64_t n = n0 + s * apart;
-        store_output(y, n, hsum8(_mm256_add_ps(acc[s][0], acc[s][1])), bias, n, dtype);
-    }
+/* Outputs n, n + apart, ... (NB of them) of one row. */
+INLINE void row_pass(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
+                     int64_t n, int K, const int NB, int64_t apart) {
+    const int64_t wsize = wdtype == DTYPE_BF16 ? 2 : 4, esize = dtype == DTYPE_BF16 ? 2 : 4;
+    pass_rows(x, dtype, (const char *)w + n * K * wsize, wdtype, bias ? (const char *)bias + n * esize : 0,
+              (char *)y + n * esize, K, 0, 1, NB, 0, 0, apart);
 }
 
 static int one_row_linear(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
@@ -1451,8 +1433,8 @@ static int one_row_linear(const void *x, const int dtype, const void *w, const i
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t lo = (int64_t)N * t / T, hi = (int64_t)N * (t + 1) / T, part = (hi - lo) / ROW_STREAMS;
-        for (int64_t i = 0; i < part; i++) stream_rows(x, dtype, w, wdtype, bias, y, lo + i, part, K, ROW_STREAMS);
-        for (int64_t n = lo + ROW_STREAMS * part; n < hi; n++) stream_rows(x, dtype, w, wdtype, bias, y, n, 0, K, 1);
+        for (int64_t n = lo; n < lo + part; n++) row_pass(x, dtype, w, wdtype, bias, y, n, K, ROW_STREAMS, part);
+        for (int64_t n = lo + ROW_STREAMS * part; n < hi; n++) row_pass(x, dtype, w, wdtype, bias, y, n, K, 1, 1);
     }
     return 0;
 }
