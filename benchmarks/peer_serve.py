@@ -11,8 +11,9 @@ rounded to bf16 saved in bf16 (as SmolLM2's published checkpoint is), which the 
 - `transformers serve --continuous-batching --dtype D` on the HF folder;
 - llama.cpp's OpenAI server (llama-cpp-python) on the GGUF, with as many threads as cores (its own
   default here is half the cores; it serves one request at a time);
-- pagoda's offline engine in this process on the main workload, right after the GGUF server (what
-  HTTP costs).
+- pagoda's offline engine on the main workload (what HTTP costs), each run in a process of its own
+  right after the GGUF server's run of the same prompts, the server up and idle: the two see the same
+  minutes of the host (its speed moves by 5-10 % within minutes).
 
 Workloads (streamed completions of random-word prompts, greedy, `ignore_eos` where the server honours it;
 throughput counts the tokens each server reports): the main one (32 requests, prompts of 5-125 words,
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,7 +211,9 @@ async def warm_up(target: Target, timeout: float = 900.0) -> None:
         await asyncio.sleep(1)
 
 
-def run_server(server: Server, out: Path) -> None:
+def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] | None = None) -> None:
+    """Every workload against `server`; `after_main_run(run)` after each run of the main one, the
+    server up and idle."""
     port = free_port()
     log = out / f"{server.label.split(' ')[0]}-{port}.log"
     # cwd outside the repo: its `operator/` folder would shadow the stdlib module of peers' Pythons.
@@ -243,6 +247,8 @@ def run_server(server: Server, out: Path) -> None:
                     )
                 )
                 runs.append(summarize(results, duration))
+                if after_main_run is not None and workload is WORKLOADS[0]:
+                    after_main_run(run)
             server.results[workload.name] = median_run(runs, "output_throughput")
             if around_floor:
                 server.results[workload.name]["dram_read_gbps"] = [before, dram_read_gbps()]
@@ -265,13 +271,24 @@ def _line(summary: dict) -> str:
     )
 
 
-def offline_main_workload() -> dict:
+def offline_main_run(run: int) -> dict:
+    """Run `run` of the main workload on pagoda's offline engine (the GGUF defaults), in a process of
+    its own: nothing of it (threads, memory) stays behind in the client's process."""
+    result = subprocess.run(
+        [sys.executable, __file__, "--offline-run", str(run)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _offline_run_here(run: int) -> None:
     from pagoda.server.bench.offline import OfflineBaseline
 
     main = WORKLOADS[0]
-    baseline = OfflineBaseline({})
-    runs = [baseline.run(main.requests(run), max_concurrency=main.concurrency) for run in range(main.runs)]
-    return median_run(runs, "offline_output_throughput")
+    print(json.dumps(OfflineBaseline({}).run(main.requests(run), max_concurrency=main.concurrency)))
 
 
 def weights_per_token(folder: Path) -> int:
@@ -364,7 +381,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peer_serve")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes for the HF-folder servers")
     parser.add_argument("--only", help="comma-separated label prefixes to run (e.g. 'pagoda,llama.cpp')")
+    parser.add_argument("--offline-run", type=int, help=argparse.SUPPRESS)  # offline_main_run's child
     args = parser.parse_args()
+    if args.offline_run is not None:
+        _offline_run_here(args.offline_run)
+        return 0
     args.out = args.out.resolve()  # servers run with the output folder as their cwd
     args.out.mkdir(parents=True, exist_ok=True)
     folder = hf_folder_from_gguf(args.out / "SmolLM2-135M-Instruct")
@@ -374,16 +395,20 @@ def main() -> int:
     if args.only:
         found = [s for s in found if s.label.startswith(tuple(args.only.split(",")))]
     bandwidths = [dram_read_gbps()]
-    offline = None
+    offline_runs: list[dict] = []
+
+    def offline_after(run: int) -> None:  # the GGUF server's prompts of that run, in the same minutes
+        offline_runs.append(offline_main_run(run))
+
     for server in found:
         print(f"{server.label}: {' '.join(server.argv)}", flush=True)
         try:
-            run_server(server, args.out)
+            run_server(server, args.out, offline_after if server.label == GGUF_DEFAULTS else None)
         except Exception as exc:  # a peer that fails to start is reported, not fatal
             print(f"  {server.label} failed: {exc}", flush=True)
-        if server.label == GGUF_DEFAULTS:  # right after it: the two runs see the host alike
-            offline = offline_main_workload()
-            print(f"  {'offline engine':34s} {WORKLOADS[0].name:18s} {offline['offline_output_throughput']:7.1f} tok/s")
+    offline = median_run(offline_runs, "offline_output_throughput") if offline_runs else None
+    if offline is not None:
+        print(f"  {'offline engine':34s} {WORKLOADS[0].name:18s} {offline['offline_output_throughput']:7.1f} tok/s")
     bandwidths.append(dram_read_gbps())
     report = "\n".join([markdown(found, offline), *floor_lines(found, folder, bandwidths)])
     print(report)
