@@ -237,6 +237,7 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
             before = dram_read_gbps() if around_floor else None
             runs = []
             for run in range(workload.runs):
+                cpu_before = cpu_seconds(process.pid)
                 results, duration = asyncio.run(
                     run_benchmark(
                         target,
@@ -246,7 +247,9 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
                         timeout=1800,
                     )
                 )
-                runs.append(summarize(results, duration))
+                runs.append(
+                    {**summarize(results, duration), **cpu_used(cpu_before, cpu_seconds(process.pid))}
+                )
                 if after_main_run is not None and workload is WORKLOADS[0]:
                     after_main_run(run)
             server.results[workload.name] = median_run(runs, "output_throughput")
@@ -262,6 +265,20 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(this process: the client; the server's main thread: pagoda's event loop) CPU seconds so far.
+    On 2 cores every CPU second beside the engine's two threads slows its steps: the HTTP / offline
+    line quotes both."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = os.times()
+    return own.user + own.system, (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+
+def cpu_used(before: tuple[float, float], after: tuple[float, float]) -> dict[str, float]:
+    return {"client_cpu_s": after[0] - before[0], "server_main_thread_cpu_s": after[1] - before[1]}
 
 
 def _line(summary: dict) -> str:
@@ -369,7 +386,9 @@ def markdown(found: list[Server], offline: dict | None) -> str:
         lines += [
             "",
             f"HTTP / offline ({WORKLOADS[0].name}, default threads, medians of {WORKLOADS[0].runs} runs): "
-            f"{http:.1f} / {alone:.1f} tok/s = {http / alone:.2f} (runs: {runs})",
+            f"{http:.1f} / {alone:.1f} tok/s = {http / alone:.2f} (runs: {runs}). In the median served "
+            f"run of {served['duration_s']:.2f} s the client used {served['client_cpu_s']:.2f} s of CPU and "
+            f"the server's event loop {served['server_main_thread_cpu_s']:.2f} s",
         ]
     return "\n".join(lines)
 
