@@ -21,8 +21,9 @@ throughput counts the tokens each server reports): the main one (32 requests, pr
 same shape at concurrency 1 (8 requests) and 64 (64 requests), and one request of 128 tokens at a time
 (ms per output token; three runs of two requests, the median counts). Prints markdown tables with ratios, and each dense pagoda row's
 one stream against the weight-read floor (the model's weight bytes over a 1 GiB `sum`'s bandwidth,
-read just before and after that stream: a shared host's bandwidth moves by half within minutes);
---out writes JSON + markdown.
+read just before and after that stream: a shared host's bandwidth moves by half within minutes), and
+the CPU seconds the client and the server's event loop took in a main run (on a host whose cores the
+engine fills, that CPU is what HTTP costs); --out writes JSON + markdown.
 """
 
 from __future__ import annotations
