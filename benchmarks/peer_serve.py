@@ -248,9 +248,8 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
                         timeout=1800,
                     )
                 )
-                runs.append(
-                    {**summarize(results, duration), **cpu_used(cpu_before, cpu_seconds(process.pid))}
-                )
+                cpu_used = {key: now - cpu_before[key] for key, now in cpu_seconds(process.pid).items()}
+                runs.append({**summarize(results, duration), **cpu_used})
                 if after_main_run is not None and workload is WORKLOADS[0]:
                     after_main_run(run)
             server.results[workload.name] = median_run(runs, "output_throughput")
@@ -268,18 +267,17 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
             process.wait()
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(this process: the client; the server's main thread: pagoda's event loop) CPU seconds so far.
-    On 2 cores every CPU second beside the engine's two threads slows its steps: the HTTP / offline
-    line quotes both."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and of the server's main thread (pagoda's
+    event loop). On 2 cores every CPU second beside the engine's two threads slows its steps: the
+    HTTP / offline line quotes both."""
     fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
     own = os.times()
-    return own.user + own.system, (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-
-
-def cpu_used(before: tuple[float, float], after: tuple[float, float]) -> dict[str, float]:
-    return {"client_cpu_s": after[0] - before[0], "server_main_thread_cpu_s": after[1] - before[1]}
+    return {
+        "client_cpu_s": own.user + own.system,
+        "server_main_thread_cpu_s": ticks / os.sysconf("SC_CLK_TCK"),
+    }
 
 
 def _line(summary: dict) -> str:
