@@ -287,17 +287,22 @@ def _line(summary: dict) -> str:
     )
 
 
-def offline_main_run(run: int) -> dict:
-    """Run `run` of the main workload on pagoda's offline engine (the GGUF defaults), in a process of
-    its own: nothing of it (threads, memory) stays behind in the client's process."""
+def child_run(script: str, *args: str) -> dict:
+    """`script args` in a process of its own, its last line of output a JSON object: nothing of an
+    engine run there (threads, memory) stays behind in the client's process."""
     result = subprocess.run(
-        [sys.executable, __file__, "--offline-run", str(run)],
+        [sys.executable, script, *args],
         capture_output=True,
         text=True,
         check=True,
         env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def offline_main_run(run: int) -> dict:
+    """Run `run` of the main workload on pagoda's offline engine (the GGUF defaults)."""
+    return child_run(__file__, "--offline-run", str(run))
 
 
 def _offline_run_here(run: int) -> None:
