@@ -7,7 +7,7 @@ the GGUF defaults) through:
 - offline: the engine stepped in a loop, in a process of its own (`peer_serve.py`'s offline run);
 - the engine front: `AsyncLLMEngine` in a process of its own, each request an asyncio task on its
   event loop, as the server's handlers are: the step thread and the hand-off of outputs, no HTTP;
-- HTTP, whole bodies: `pagoda serve`, the requests with `stream: false` (no per-token work);
+- HTTP, whole bodies: `pagoda serve`, the requests with `stream: false` (no per-token writes);
 - HTTP, streamed: another `pagoda serve`, the bench client (one SSE event per token).
 Each server sees every prompt set once (the prefix cache gains nothing); the paths take turns leading
 a run. Prints each run, the medians, each path against offline, and the CPU seconds the served runs'

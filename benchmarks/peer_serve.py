@@ -23,7 +23,8 @@ same shape at concurrency 1 (8 requests) and 64 (64 requests), and one request o
 one stream against the weight-read floor (the model's weight bytes over a 1 GiB `sum`'s bandwidth,
 read just before and after that stream: a shared host's bandwidth moves by half within minutes), and
 the CPU seconds the client and the server's event loop took in a main run (on a host whose cores the
-engine fills, that CPU is what HTTP costs); --out writes JSON + markdown.
+engine fills, that CPU is much of what HTTP costs: `http_cost.py` splits the rest); --out writes
+JSON + markdown.
 """
 
 from __future__ import annotations
