@@ -110,7 +110,7 @@ async def _stream(
 ) -> web.StreamResponse:
     # The first output comes before the headers, so a request the engine refuses is still a 4xx.
     first = await anext(events)
-    response = await sse.open_stream(request)
+    stream = await sse.open_stream(request)
     parts: dict[int, PromptPart | None] = {}  # per prompt, from its first output (prompt logprobs)
     started: set[int] = set()  # choices a chunk was sent for
     ended: set[int] = set()  # choices whose finish_reason was sent
@@ -135,7 +135,7 @@ async def _stream(
             for chunk in formatter.stream_chunks(choice_index, delta, first_chunk):
                 if usage_object:
                     chunk["usage"] = None
-                await sse.send_event(response, chunk)
+                await stream.send(chunk)
             started.add(choice_index)
 
     try:
@@ -144,14 +144,11 @@ async def _stream(
             await send(index, output)
         if usage_object:
             outputs = [last[i] for i in sorted(last)]
-            await sse.send_event(
-                response, {**ids.envelope(usage_object), "choices": [], "usage": usage(outputs, generated)}
-            )
-        await sse.send_done(response)
+            await stream.send({**ids.envelope(usage_object), "choices": [], "usage": usage(outputs, generated)})
+        await stream.close()
     except APIError as error:
         with contextlib.suppress(ConnectionResetError):
-            await sse.send_error(response, error)
-            await sse.send_done(response)
+            await stream.close(error)
     except ConnectionResetError:
         pass  # the client left; leaving the `aclosing` block aborts its engine requests
-    return response
+    return stream.response

@@ -1,31 +1,110 @@
-"""Server-sent events in OpenAI's streaming format: `data: {json}` frames, `data: [DONE]` last."""
+"""Server-sent events in OpenAI's streaming format: `data: {json}` frames, `data: [DONE]` last.
+
+Frames are not written one at a time. An engine step wakes the handler of every stream in one event
+loop turn; each queues its frames on its `EventStream`, and once those handlers have run, the loop's
+outbox writes every stream's frames back to back, one write per stream. A client that reads many
+streams (a gateway, a benchmark) then wakes about once a step instead of once a frame, and where it
+shares the host (loopback, a node's veth pair) the sender pays for each of those wake-ups: the kernel
+runs the receiver's side of TCP inside the send (`benchmarks/stream_cost.py` measures it).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from pagoda.server.protocol import APIError
 
+# A client that reads slower than its tokens come gets nothing more queued until its socket has taken
+# what is buffered: the outbox never waits for one client, and what waits for it stays bounded.
+CONGESTED_BYTES = 64 * 1024
+CONGESTION_POLL_S = 0.01
+DONE = b"data: [DONE]\n\n"
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
+
+def frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class EventStream:
+    """One response's events: `send` queues a frame for the outbox, `close` ends the response."""
+
+    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport) -> None:
+        self.response = response
+        self._transport = transport
+        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"  # HTTP/1.0: raw
+        self._queued: list[bytes] = []
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        """Queue one event; waits only while the client is congested. Raises ConnectionResetError
+        once the client has gone."""
+        while True:
+            if self._transport.is_closing():
+                raise ConnectionResetError("the client closed the stream")
+            if self._transport.get_write_buffer_size() <= CONGESTED_BYTES:
+                break
+            await asyncio.sleep(CONGESTION_POLL_S)
+        if not self._queued:
+            _outbox().add(self)
+        self._queued.append(frame(payload))
+
+    def flush(self) -> None:
+        """Write what is queued (the outbox calls this): one chunk, however many frames."""
+        if not self._queued or self._transport.is_closing():  # a gone client: the next send raises
+            self._queued.clear()
+            return
+        data = b"".join(self._queued)
+        self._queued.clear()
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+    async def close(self, error: APIError | None = None) -> None:
+        """What is still queued, `error` as one more event (after the headers it can only travel so),
+        then [DONE]: one write, with the end of the response."""
+        if error is not None:
+            self._queued.append(frame(error.body()))
+        data = b"".join(self._queued) + DONE
+        self._queued.clear()
+        await self.response.write_eof(data)
+
+
+async def open_stream(request: web.Request) -> EventStream:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
-    return response
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("the client closed the stream")
+    return EventStream(response, transport)
 
 
-async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+class _Outbox:
+    """The streams of one event loop with frames queued since the last flush."""
+
+    def __init__(self) -> None:
+        self._streams: list[EventStream] = []
+
+    def add(self, stream: EventStream) -> None:
+        if not self._streams:
+            # Runs behind the handlers this turn has already woken: they queue first.
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._streams.append(stream)
+
+    def _flush(self) -> None:
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            stream.flush()
 
 
-async def send_error(response: web.StreamResponse, error: APIError) -> None:
-    """After the headers went out, an error can only travel as one more event."""
-    await send_event(response, error.body())
+_outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Outbox] = weakref.WeakKeyDictionary()
 
 
-async def send_done(response: web.StreamResponse) -> None:
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+def _outbox() -> _Outbox:
+    loop = asyncio.get_running_loop()
+    outbox = _outboxes.get(loop)
+    if outbox is None:
+        outbox = _outboxes[loop] = _Outbox()
+    return outbox

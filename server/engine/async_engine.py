@@ -311,10 +311,11 @@ class AsyncLLMEngine:
                             delivered.append((stream, output))
                             if output.finished:
                                 del self._streams[output.request_id]
-                    _deliver_all(delivered)
                     self._refresh_stats()
                     self._last_progress = time.monotonic()
                     self._run_probes()
+                # Outside the lock: the woken loop starts new requests at once instead of waiting for it.
+                _deliver_all(delivered)
         except BaseException as exc:  # the loop is dead: fail every waiting consumer
             logger.exception("engine loop failed")
             with self._lock:

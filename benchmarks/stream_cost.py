@@ -1,0 +1,147 @@
+"""What the HTTP side costs per streamed token and per request, with the engine's cost taken away.
+
+    .venv/bin/python benchmarks/stream_cost.py [--rounds 6]
+
+`pagoda serve` (its defaults) on the tests' tiny random Llama, whose steps take next to no time, so
+the server's event loop is most of the work. Each round sends 64 streamed completions of 128 tokens,
+16 at a time, through two clients in turn:
+- `pagoda bench serve`'s client (aiohttp, every event parsed and timed);
+- a lean reader that parses nothing but the end of each response, as fast as a proxy in front of the
+  pods would read.
+Then 200 one-token requests with ~650-character prompts (the lean reader) for the cost per request.
+Prints tokens per second and the CPU the server's event-loop thread and the client spent: per token
+and per request (median of the rounds). On a host of few cores this CPU is what served throughput
+loses against the offline engine (`http_cost.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from pagoda.server.bench.client import Target  # noqa: E402
+from pagoda.server.bench.dataset import BenchRequest  # noqa: E402
+from pagoda.server.bench.runner import run_benchmark  # noqa: E402
+from peer_serve import free_port, wait_ready, warm_up  # noqa: E402
+
+MODEL = "tiny"
+STREAMS, REQUESTS, TOKENS = 16, 64, 128
+WORDS = "the quick brown fox jumps over a lazy dog while " * 13
+
+
+class _Reader(asyncio.Protocol):
+    """One keep-alive connection; a response ends with the chunked body's last chunk."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.ended: asyncio.Future[None] | None = None
+        self._tail = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._tail = (self._tail + data)[-7:]
+        if self._tail.endswith(b"\r\n0\r\n\r\n") and self.ended is not None and not self.ended.done():
+            self.ended.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_exception(ConnectionError("the server closed the connection"))
+
+
+async def lean_run(port: int, requests: list[BenchRequest]) -> None:
+    loop = asyncio.get_running_loop()
+    todo = list(reversed(requests))
+
+    async def worker() -> None:
+        _, reader = await loop.create_connection(_Reader, "127.0.0.1", port)
+        while todo:
+            request = todo.pop()
+            body = json.dumps({"model": MODEL, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
+                               "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+            reader.ended = loop.create_future()
+            reader.transport.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            await reader.ended
+        reader.transport.close()
+
+    await asyncio.gather(*(worker() for _ in range(STREAMS)))
+
+
+def thread_cpu(pid: int) -> float:
+    """CPU seconds of `pid`'s main thread (the server's event loop), from the scheduler (ns)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
+def measure(pid: int, work: Coroutine) -> tuple[float, float, float]:
+    """(seconds, server event-loop CPU seconds, this process's CPU seconds) of running `work`."""
+    loop0, own0, start = thread_cpu(pid), time.process_time(), time.perf_counter()
+    asyncio.run(work)
+    return time.perf_counter() - start, thread_cpu(pid) - loop0, time.process_time() - own0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    from support.tiny_models import make_tiny_model
+
+    folder = Path(tempfile.mkdtemp(prefix="pagoda-stream-cost-"))
+    make_tiny_model("llama", folder / "model", max_position_embeddings=2048)
+    port = free_port()
+    log = folder / "serve.log"
+    server = subprocess.Popen(
+        [str(ROOT / ".venv/bin/pagoda"), "serve", "--model", str(folder / "model"), "--served-model-name", MODEL,
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )  # fmt: skip
+    target = Target(f"http://127.0.0.1:{port}", MODEL)
+    rows: dict[str, list[tuple[float, float, float]]] = {"pagoda bench client": [], "lean reader": []}
+    per_request = []
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v1/models", server, log)
+        asyncio.run(warm_up(target))
+        for round_ in range(args.rounds):
+            requests = [BenchRequest(f"{round_} {i} {WORDS}", "", 0, TOKENS) for i in range(REQUESTS)]
+            tokens = REQUESTS * TOKENS
+            for name in list(rows)[:: 1 if round_ % 2 else -1]:
+                work = (
+                    run_benchmark(target, requests, max_concurrency=STREAMS, progress=False)
+                    if name == "pagoda bench client"
+                    else lean_run(port, requests)
+                )
+                seconds, loop_cpu, client_cpu = measure(server.pid, work)
+                rows[name].append((tokens / seconds, loop_cpu / tokens * 1e6, client_cpu / tokens * 1e6))
+            short = [BenchRequest(f"{round_} {i} short {WORDS}", "", 0, 1) for i in range(200)]
+            _, loop_cpu, _ = measure(server.pid, lean_run(port, short))
+            per_request.append(loop_cpu / len(short) * 1e6)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait()
+    print(f"{STREAMS} streams, {REQUESTS} x {TOKENS} tokens a round, {args.rounds} rounds (medians)")
+    print(f"{'client':22s} {'tok/s':>8s} {'loop CPU µs/token':>18s} {'client CPU µs/token':>20s}")
+    for name, values in rows.items():
+        tps, loop_us, client_us = (statistics.median(v[i] for v in values) for i in range(3))
+        print(f"{name:22s} {tps:8.0f} {loop_us:18.1f} {client_us:20.1f}")
+    print(f"one-token requests (lean reader): loop CPU {statistics.median(per_request):.0f} µs a request")
+
+
+if __name__ == "__main__":
+    main()
