@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import weakref
+import threading
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -82,15 +82,16 @@ async def open_stream(request: web.Request) -> EventStream:
 
 
 class _Outbox:
-    """The streams of one event loop with frames queued since the last flush."""
+    """The streams of one event loop with events queued since its last flush."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self._streams: list[EventStream] = []
 
     def add(self, stream: EventStream) -> None:
         if not self._streams:
             # Runs behind the handlers this turn has already woken: they queue first.
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self._streams.append(stream)
 
     def _flush(self) -> None:
@@ -99,12 +100,12 @@ class _Outbox:
             stream.flush()
 
 
-_outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Outbox] = weakref.WeakKeyDictionary()
+_this_thread = threading.local()  # an event loop runs on one thread: its outbox lives there
 
 
 def _outbox() -> _Outbox:
     loop = asyncio.get_running_loop()
-    outbox = _outboxes.get(loop)
-    if outbox is None:
-        outbox = _outboxes[loop] = _Outbox()
+    outbox = getattr(_this_thread, "outbox", None)
+    if outbox is None or outbox.loop is not loop:
+        outbox = _this_thread.outbox = _Outbox(loop)
     return outbox
