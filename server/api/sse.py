@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from typing import Any
 
 from aiohttp import hdrs, web
 from pagoda.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
 
 # A client that reads slower than its tokens come gets nothing more queued until its socket has taken
 # what is buffered: the outbox never waits for one client, and what waits for it stays bounded.
@@ -97,7 +100,10 @@ class _Outbox:
     def _flush(self) -> None:
         streams, self._streams = self._streams, []
         for stream in streams:
-            stream.flush()
+            try:
+                stream.flush()
+            except Exception:  # one broken stream must not hold back the others' events
+                logger.exception("writing a stream's events failed")
 
 
 _this_thread = threading.local()  # an event loop runs on one thread: its outbox lives there
