@@ -84,6 +84,13 @@ async def lean_run(port: int, requests: list[BenchRequest]) -> None:
     await asyncio.gather(*(worker() for _ in range(STREAMS)))
 
 
+async def bench_client_run(target: Target, requests: list[BenchRequest]) -> None:
+    results, _ = await run_benchmark(target, requests, max_concurrency=STREAMS, progress=False)
+    failed = [result.error for result in results if not result.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+
+
 def thread_cpu(pid: int) -> float:
     """CPU seconds of `pid`'s main thread (the server's event loop), from the scheduler (ns)."""
     return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
@@ -102,7 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     from support.tiny_models import make_tiny_model
 
-    folder = Path(tempfile.mkdtemp(prefix="pagoda-stream-cost-"))
+    scratch = tempfile.TemporaryDirectory(prefix="pagoda-stream-cost-")
+    folder = Path(scratch.name)
     make_tiny_model("llama", folder / "model", max_position_embeddings=2048)
     port = free_port()
     log = folder / "serve.log"
@@ -122,11 +130,7 @@ def main() -> None:
             requests = [BenchRequest(f"{round_} {i} {WORDS}", "", 0, TOKENS) for i in range(REQUESTS)]
             tokens = REQUESTS * TOKENS
             for name in list(rows)[:: 1 if round_ % 2 else -1]:
-                work = (
-                    run_benchmark(target, requests, max_concurrency=STREAMS, progress=False)
-                    if name == "pagoda bench client"
-                    else lean_run(port, requests)
-                )
+                work = bench_client_run(target, requests) if name == "pagoda bench client" else lean_run(port, requests)
                 seconds, loop_cpu, client_cpu = measure(server.pid, work)
                 rows[name].append((tokens / seconds, loop_cpu / tokens * 1e6, client_cpu / tokens * 1e6))
             short = [BenchRequest(f"{round_} {i} short {WORDS}", "", 0, 1) for i in range(200)]
@@ -135,6 +139,7 @@ def main() -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait()
+        scratch.cleanup()
     print(f"{STREAMS} streams, {REQUESTS} x {TOKENS} tokens a round, {args.rounds} rounds (medians)")
     print(f"{'client':22s} {'tok/s':>8s} {'loop CPU µs/token':>18s} {'client CPU µs/token':>20s}")
     for name, values in rows.items():
