@@ -95,11 +95,12 @@ async def whole_bodies_run(base_url: str, requests: list[BenchRequest]) -> float
         return tokens / (time.perf_counter() - start)
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log: Path, *serve_args: str, model: str = MODEL) -> tuple[subprocess.Popen, str]:
+    """`pagoda serve` (its defaults, and `serve_args`) on a free port, ready and warm: (process, base URL)."""
     port = free_port()
     pagoda = Path(sys.executable).parent / "pagoda"
     process = subprocess.Popen(
-        [str(pagoda), "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [str(pagoda), "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONSAFEPATH": "1"},
@@ -107,7 +108,7 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
     )
     base_url = f"http://127.0.0.1:{port}"
     wait_ready(f"{base_url}/v1/models", process, log)
-    asyncio.run(warm_up(Target(base_url, MODEL, ignore_eos=True)))
+    asyncio.run(warm_up(Target(base_url, model, ignore_eos=True)))
     return process, base_url
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,10 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from http_cost import start_server  # noqa: E402
 from pagoda.server.bench.client import Target  # noqa: E402
 from pagoda.server.bench.dataset import BenchRequest  # noqa: E402
 from pagoda.server.bench.runner import run_benchmark  # noqa: E402
-from peer_serve import free_port, wait_ready, warm_up  # noqa: E402
+from peer_serve import cpu_seconds  # noqa: E402
 
 MODEL = "tiny"
 STREAMS, REQUESTS, TOKENS = 16, 64, 128
@@ -91,16 +91,12 @@ async def bench_client_run(target: Target, requests: list[BenchRequest]) -> None
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
 
 
-def thread_cpu(pid: int) -> float:
-    """CPU seconds of `pid`'s main thread (the server's event loop), from the scheduler (ns)."""
-    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
-
-
 def measure(pid: int, work: Coroutine) -> tuple[float, float, float]:
     """(seconds, server event-loop CPU seconds, this process's CPU seconds) of running `work`."""
-    loop0, own0, start = thread_cpu(pid), time.process_time(), time.perf_counter()
+    before, start = cpu_seconds(pid), time.perf_counter()
     asyncio.run(work)
-    return time.perf_counter() - start, thread_cpu(pid) - loop0, time.process_time() - own0
+    seconds, after = time.perf_counter() - start, cpu_seconds(pid)
+    return seconds, *(after[key] - before[key] for key in ("server_main_thread_cpu_s", "client_cpu_s"))
 
 
 def main() -> None:
@@ -112,20 +108,13 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory(prefix="pagoda-stream-cost-")
     folder = Path(scratch.name)
     make_tiny_model("llama", folder / "model", max_position_embeddings=2048)
-    port = free_port()
-    log = folder / "serve.log"
-    server = subprocess.Popen(
-        [str(ROOT / ".venv/bin/pagoda"), "serve", "--model", str(folder / "model"), "--served-model-name", MODEL,
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
-    )  # fmt: skip
-    target = Target(f"http://127.0.0.1:{port}", MODEL)
+    model_args = ("--model", str(folder / "model"), "--served-model-name", MODEL)
+    server, base_url = start_server(folder / "serve.log", *model_args, model=MODEL)
+    port = int(base_url.rsplit(":", 1)[1])
+    target = Target(base_url, MODEL)
     rows: dict[str, list[tuple[float, float, float]]] = {"pagoda bench client": [], "lean reader": []}
     per_request = []
     try:
-        wait_ready(f"http://127.0.0.1:{port}/v1/models", server, log)
-        asyncio.run(warm_up(target))
         for round_ in range(args.rounds):
             requests = [BenchRequest(f"{round_} {i} {WORDS}", "", 0, TOKENS) for i in range(REQUESTS)]
             tokens = REQUESTS * TOKENS

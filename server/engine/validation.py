@@ -45,6 +45,12 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def all_ints(values: Sequence[Any]) -> bool:
+    """Every value a plain int (bools not): `is_int` over a sequence in one C pass, for a prompt's
+    thousands of ids checked on the server's event loop."""
+    return set(map(type, values)) <= {int}
+
+
 def is_number(value: Any) -> bool:
     return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
@@ -126,9 +132,8 @@ def check_logit_bias_vocab(bias: dict | None, vocab_size: int) -> None:
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
     """`vocab_size`: the embedding rows the model can index (what a token id may be below)."""
     _check(len(prompt_ids) > 0, "prompt", "must not be empty")
-    # Passes in C (set, min, max): prompts run to thousands of ids, checked on the server's event loop.
-    _check(set(map(type, prompt_ids)) == {int} and min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size,
-           "prompt", f"token ids must be integers in [0, {vocab_size})")  # fmt: skip
+    _check(all_ints(prompt_ids) and min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size, "prompt",
+           f"token ids must be integers in [0, {vocab_size})")  # fmt: skip
     _check(len(prompt_ids) < max_model_len, "prompt",
            f"{len(prompt_ids)} tokens leave no room for output within the model's maximum context length "
            f"of {max_model_len} tokens", CONTEXT_LENGTH_EXCEEDED)  # fmt: skip
