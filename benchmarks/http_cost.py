@@ -1,4 +1,4 @@
-"""Where the HTTP / offline gap goes: the main workload through four paths, in the same minutes.
+"""Where the HTTP / offline gap goes: the main workload through five paths, in the same minutes.
 
     .venv/bin/python benchmarks/http_cost.py [--runs 6]
 
@@ -8,7 +8,9 @@ the GGUF defaults) through:
 - the engine front: `AsyncLLMEngine` in a process of its own, each request an asyncio task on its
   event loop, as the server's handlers are: the step thread and the hand-off of outputs, no HTTP;
 - HTTP, whole bodies: `pagoda serve`, the requests with `stream: false` (no per-token writes);
-- HTTP, streamed: another `pagoda serve`, the bench client (one SSE event per token).
+- HTTP, streamed: another `pagoda serve`, the bench client (one SSE event per token);
+- HTTP, streamed, lean reader: a third `pagoda serve`, the same streams read at a proxy's pace
+  (`lean_run`): what the server costs with a client beside it that costs next to nothing.
 Each server sees every prompt set once (the prefix cache gains nothing); the paths take turns leading
 a run. Prints each run, the medians, each path against offline, and the CPU seconds the served runs'
 client and the server's event loop took.
@@ -40,7 +42,7 @@ from peer_serve import WORKLOADS, child_run, cpu_seconds, free_port, offline_mai
 
 MAIN = WORKLOADS[0]
 MODEL = "SmolLM2-135M-Instruct"
-PATHS = ["offline", "engine front", "HTTP, whole bodies", "HTTP, streamed"]
+PATHS = ["offline", "engine front", "HTTP, whole bodies", "HTTP, streamed", "HTTP, streamed, lean reader"]
 
 
 async def front_run(requests: list[BenchRequest]) -> float:
@@ -70,6 +72,51 @@ async def front_run(requests: list[BenchRequest]) -> float:
         return tokens / (time.perf_counter() - start)
     finally:
         await engine.shutdown()
+
+
+class _Reader(asyncio.Protocol):
+    """One keep-alive connection; a response ends with the chunked body's last chunk."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.ended: asyncio.Future[None] | None = None
+        self._tail = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._tail = (self._tail + data)[-7:]
+        if self._tail.endswith(b"\r\n0\r\n\r\n") and self.ended is not None and not self.ended.done():
+            self.ended.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_exception(ConnectionError("the server closed the connection"))
+
+
+async def lean_run(port: int, requests: list[BenchRequest], model: str, streams: int) -> None:
+    """`requests` streamed, `streams` at a time over keep-alive connections, read at a proxy's pace:
+    nothing parsed but the end of each response (what the server costs, with a client that costs
+    next to nothing)."""
+    loop = asyncio.get_running_loop()
+    todo = list(reversed(requests))
+
+    async def worker() -> None:
+        _, reader = await loop.create_connection(_Reader, "127.0.0.1", port)
+        while todo:
+            request = todo.pop()
+            body = json.dumps({"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
+                               "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+            reader.ended = loop.create_future()
+            reader.transport.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            await reader.ended
+        reader.transport.close()
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
 
 
 def front_main_run(run: int) -> float:
@@ -127,6 +174,7 @@ def main() -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     whole, whole_url = start_server(args.logs / "whole_bodies.log")
     streamed, streamed_url = start_server(args.logs / "streamed.log")
+    lean, lean_url = start_server(args.logs / "lean_reader.log")
     results: dict[str, list[float]] = {path: [] for path in PATHS}
     cpu: list[dict[str, float]] = []
     try:
@@ -140,6 +188,10 @@ def main() -> int:
                     value = front_main_run(prompts)
                 elif path == "HTTP, whole bodies":
                     value = asyncio.run(whole_bodies_run(whole_url, requests))
+                elif path == "HTTP, streamed, lean reader":
+                    start = time.perf_counter()  # ignore_eos: every request gets its output_len tokens
+                    asyncio.run(lean_run(int(lean_url.rsplit(":", 1)[1]), requests, MODEL, MAIN.concurrency))
+                    value = sum(r.output_len for r in requests) / (time.perf_counter() - start)
                 else:
                     before = cpu_seconds(streamed.pid)
                     target = Target(streamed_url, MODEL, ignore_eos=True)
@@ -151,17 +203,17 @@ def main() -> int:
                         {k: v - before[k] for k, v in cpu_seconds(streamed.pid).items()} | {"run_s": duration}
                     )
                 results[path].append(value)
-                print(f"run {run}: {path:20s} {value:7.1f} tok/s", flush=True)
+                print(f"run {run}: {path:28s} {value:7.1f} tok/s", flush=True)
     finally:
-        for process in (whole, streamed):
+        for process in (whole, streamed, lean):
             os.killpg(process.pid, signal.SIGTERM)
             process.wait()
     offline = statistics.median(results["offline"])
-    print(f"\n{'path':20s} {'median tok/s':>12s}  {'/ offline':>9s}  runs")
+    print(f"\n{'path':28s} {'median tok/s':>12s}  {'/ offline':>9s}  runs")
     for path, values in results.items():
         runs = " ".join(f"{v:.1f}" for v in values)
         print(
-            f"{path:20s} {statistics.median(values):12.1f}  {statistics.median(values) / offline:9.2f}  {runs}"
+            f"{path:28s} {statistics.median(values):12.1f}  {statistics.median(values) / offline:9.2f}  {runs}"
         )
     print(
         f"streamed runs (median): client {statistics.median(c['client_cpu_s'] for c in cpu):.2f} CPU-s, "

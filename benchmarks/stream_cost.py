@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from http_cost import start_server  # noqa: E402
+from http_cost import lean_run, start_server  # noqa: E402
 from pagoda.server.bench.client import Target  # noqa: E402
 from pagoda.server.bench.dataset import BenchRequest  # noqa: E402
 from pagoda.server.bench.runner import run_benchmark  # noqa: E402
@@ -40,48 +39,6 @@ from peer_serve import cpu_seconds  # noqa: E402
 MODEL = "tiny"
 STREAMS, REQUESTS, TOKENS = 16, 64, 128
 WORDS = "the quick brown fox jumps over a lazy dog while " * 13
-
-
-class _Reader(asyncio.Protocol):
-    """One keep-alive connection; a response ends with the chunked body's last chunk."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.ended: asyncio.Future[None] | None = None
-        self._tail = b""
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self._tail = (self._tail + data)[-7:]
-        if self._tail.endswith(b"\r\n0\r\n\r\n") and self.ended is not None and not self.ended.done():
-            self.ended.set_result(None)
-
-    def connection_lost(self, exc) -> None:
-        if self.ended is not None and not self.ended.done():
-            self.ended.set_exception(ConnectionError("the server closed the connection"))
-
-
-async def lean_run(port: int, requests: list[BenchRequest]) -> None:
-    loop = asyncio.get_running_loop()
-    todo = list(reversed(requests))
-
-    async def worker() -> None:
-        _, reader = await loop.create_connection(_Reader, "127.0.0.1", port)
-        while todo:
-            request = todo.pop()
-            body = json.dumps({"model": MODEL, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
-                               "ignore_eos": True, "stream": True}).encode()  # fmt: skip
-            reader.ended = loop.create_future()
-            reader.transport.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
-            )
-            await reader.ended
-        reader.transport.close()
-
-    await asyncio.gather(*(worker() for _ in range(STREAMS)))
 
 
 async def bench_client_run(target: Target, requests: list[BenchRequest]) -> None:
@@ -119,11 +76,15 @@ def main() -> None:
             requests = [BenchRequest(f"{round_} {i} {WORDS}", "", 0, TOKENS) for i in range(REQUESTS)]
             tokens = REQUESTS * TOKENS
             for name in list(rows)[:: 1 if round_ % 2 else -1]:
-                work = bench_client_run(target, requests) if name == "pagoda bench client" else lean_run(port, requests)
+                work = (
+                    bench_client_run(target, requests)
+                    if name == "pagoda bench client"
+                    else lean_run(port, requests, MODEL, STREAMS)
+                )
                 seconds, loop_cpu, client_cpu = measure(server.pid, work)
                 rows[name].append((tokens / seconds, loop_cpu / tokens * 1e6, client_cpu / tokens * 1e6))
             short = [BenchRequest(f"{round_} {i} short {WORDS}", "", 0, 1) for i in range(200)]
-            _, loop_cpu, _ = measure(server.pid, lean_run(port, short))
+            _, loop_cpu, _ = measure(server.pid, lean_run(port, short, MODEL, STREAMS))
             per_request.append(loop_cpu / len(short) * 1e6)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
