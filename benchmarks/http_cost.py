@@ -75,7 +75,8 @@ async def front_run(requests: list[BenchRequest]) -> float:
 
 
 class _Reader(asyncio.Protocol):
-    """One keep-alive connection; a response ends with the chunked body's last chunk."""
+    """One keep-alive connection; a response ends with the chunked body's last chunk. A response
+    that is not a 200 fails the run (its body would not end so)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -85,9 +86,20 @@ class _Reader(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
 
+    def expect(self) -> asyncio.Future[None]:
+        """A new response is on its way: the future it ends."""
+        self.ended, self._tail = asyncio.get_running_loop().create_future(), b""
+        return self.ended
+
     def data_received(self, data: bytes) -> None:
+        if self.ended is None or self.ended.done():
+            return
+        if not self._tail and not data.startswith(b"HTTP/1.1 200"):
+            status = data.split(b"\r\n", 1)[0]
+            self.ended.set_exception(RuntimeError(f"the server answered {status!r}"))
+            return
         self._tail = (self._tail + data)[-7:]
-        if self._tail.endswith(b"\r\n0\r\n\r\n") and self.ended is not None and not self.ended.done():
+        if self._tail.endswith(b"\r\n0\r\n\r\n"):
             self.ended.set_result(None)
 
     def connection_lost(self, exc) -> None:
@@ -108,12 +120,12 @@ async def lean_run(port: int, requests: list[BenchRequest], model: str, streams:
             request = todo.pop()
             body = json.dumps({"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
                                "ignore_eos": True, "stream": True}).encode()  # fmt: skip
-            reader.ended = loop.create_future()
+            ended = reader.expect()
             reader.transport.write(
                 b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
             )
-            await reader.ended
+            await ended
         reader.transport.close()
 
     await asyncio.gather(*(worker() for _ in range(streams)))
