@@ -46,9 +46,9 @@ def is_int(value: Any) -> bool:
 
 
 def all_ints(values: Sequence[Any]) -> bool:
-    """Every value a plain int (bools not): `is_int` over a sequence in one C pass, for a prompt's
-    thousands of ids checked on the server's event loop."""
-    return set(map(type, values)) <= {int}
+    """`is_int` of every value: one C pass over a prompt's thousands of ids (checked on the server's
+    event loop) when they are all plain ints, `is_int` itself for anything else."""
+    return set(map(type, values)) <= {int} or all(map(is_int, values))
 
 
 def is_number(value: Any) -> bool:
