@@ -105,6 +105,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
+    lib.pagoda_rotary.argtypes = [p, i64, i32, i32, i32, p, p, i32, i32]
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
     lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
@@ -384,6 +385,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     status = lib.pagoda_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                  DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
     return out if status == 0 else None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x [tokens, heads, head_dim] (heads side by side, rows at any stride) rotated in place by cos and
+    sin [tokens, 1, head_dim], rounded where torch's ops round; False where the kernel does not take
+    them (x untouched)."""
+    lib = _takes(x, cos, sin)
+    tokens, heads, head_dim = x.shape
+    if (
+        lib is None
+        or x.stride(2) != 1
+        or x.stride(1) != head_dim
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.numel() != tokens * head_dim
+        or sin.numel() != tokens * head_dim
+    ):
+        return False
+    status = lib.pagoda_rotary(x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                               DTYPES[x.dtype], torch.get_num_threads())  # fmt: skip
+    return status == 0
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagoda.kernels import cpu_native
 from pagoda.kernels.reference import TorchReferenceBackend
 from pagoda.kernels.testing import make_paged_kv, random_queries, relative_error, tolerance
+from pagoda.server.engine.layers.rotary import RotaryEmbedding
 from pagoda.server.engine.sampler import sample_from_cdf
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -250,6 +251,31 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
         assert torch.equal(out, expected)
     else:
         assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 12, 64), (7, 3, 36), (300, 12, 64)])
+def test_rotary_in_place_equals_torchs_ops(dtype, tokens, heads, head_dim, generator):
+    """q and k rotated where they sit in the step's qkv rows (v after them untouched), the same numbers
+    as torch's op-by-op rotation in both dtypes (the kernel rounds where torch's ops round)."""
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    cos, sin = rope(torch.randint(0, 4096, (tokens,), generator=generator), dtype)
+    qkv = (3 * torch.randn(tokens, heads + 2, head_dim, generator=generator)).to(dtype)
+    expected = qkv[:, :heads] * cos + torch.cat((-qkv[:, :heads, head_dim // 2 :], qkv[:, :heads, : head_dim // 2]), -1) * sin
+    untouched = qkv[:, heads:].clone()
+    assert cpu_native.rotary(qkv[:, :heads], cos, sin)
+    assert torch.equal(qkv[:, :heads], expected)
+    assert torch.equal(qkv[:, heads:], untouched)
+
+
+def test_rotary_declines_what_it_does_not_take():
+    x = torch.randn(4, 2, 8)
+    before = x.clone()
+    cos = sin = torch.full((4, 1, 8), 0.5)
+    assert not cpu_native.rotary(x.transpose(0, 1), cos[:2], sin[:2])  # heads not side by side
+    assert not cpu_native.rotary(x, cos.double(), sin.double())
+    assert not cpu_native.rotary(x, cos[:3], sin[:3])  # angles for other tokens
+    assert torch.equal(x, before)
 
 
 @vector_kernels

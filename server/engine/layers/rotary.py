@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+from pagoda.kernels import cpu_native
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -77,5 +78,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate packed heads x [T, heads, D] (q, k, or both side by side) by this step's angles."""
+    """Rotate packed heads x [T, heads, D] (q, k, or both side by side) by this step's angles: in place
+    where the native CPU kernel takes them (x is a step's own q/k, read by nothing else), else into a
+    new tensor. torch's ops make a temporary each: at prompt sizes they cost more than the rotation."""
+    if cpu_native.rotary(x, cos, sin):
+        return x
     return x * cos + _rotate_half(x) * sin
