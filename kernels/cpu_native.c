@@ -318,8 +318,9 @@ static inline int next_chunk(const struct attention_task *a, int t, int chunk, i
  * converting each K row), one online-softmax update for the chunk with a vectorized exp, then the
  * weighted sum of their V rows. Per-token work is a few vector instructions, not a dependent chain
  * of scalar ones. */
-static void attend(const struct attention_task *a, const int dtype) {
-    const int group = a->group, head_dim = a->head_dim, chunks = (head_dim + 15) / 16;
+static inline __attribute__((always_inline)) void attend_shaped(const struct attention_task *a, const int dtype,
+                                                              const int group, const int chunks) {
+    const int head_dim = a->head_dim;
     __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16], acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     __mmask16 tail[MAX_HEAD_DIM / 16];
@@ -403,6 +404,22 @@ static void attend(const struct attention_task *a, const int dtype) {
         for (int c = 0; c < chunks; c++)
             store16(a->out, a->out_offset + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), tail[c], dtype);
     }
+}
+/* attend with common shapes' group and head size as constants (each one more instance to compile):
+ * the queries and sums of a task then stay in registers, where the generic loops keep them in memory
+ * (16 sequences of 60-500 tokens, cold caches, 30 layers, Sapphire Rapids class: fp32 8-11 % and bf16
+ * 4-6 % faster; at 150 tokens fp32 7.1-7.4 -> 6.5-6.7 ms). */
+static void attend(const struct attention_task *a, const int dtype) {
+    const int chunks = (a->head_dim + 15) / 16;
+#define ATTEND_SHAPE(g, c)                                                                   \
+    if (a->group == (g) && chunks == (c)) {                                                  \
+        if (dtype == DTYPE_BF16) attend_shaped(a, DTYPE_BF16, g, c); else attend_shaped(a, DTYPE_F32, g, c); \
+        return;                                                                              \
+    }
+    ATTEND_SHAPE(1, 4) ATTEND_SHAPE(3, 4) ATTEND_SHAPE(4, 4) ATTEND_SHAPE(8, 4) /* SmolLM2, TinyLlama, ... */
+    ATTEND_SHAPE(4, 8) ATTEND_SHAPE(8, 8)                                        /* Llama 3 / Mistral 7-8B, ... */
+#undef ATTEND_SHAPE
+    attend_shaped(a, dtype, a->group, chunks);
 }
 #elif defined(PAGODA_AVX2)
 /* attend's AVX-512 version in 8 lanes: chunks of up to 16 tokens of a block, one query head at a

@@ -73,11 +73,12 @@ def test_decode_attention_matches_reference(dtype, group, block_size, window, ge
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [36, 80, 256])  # 8-lane vectors: a tail; 64-dim slices of sums: 2, 4
-def test_decode_attention_head_sizes(dtype, head_dim, generator):
+@pytest.mark.parametrize("head_dim", [36, 80, 128, 256])  # 8-lane vectors: a tail; 64-dim slices of sums: 2, 4
+@pytest.mark.parametrize("group", [3, 4])  # at 128: the generic loops, then a shape compiled with its sizes
+def test_decode_attention_head_sizes(dtype, head_dim, group, generator):
     lens = [3, 16, 50]
     cache = make_paged_kv(lens, 2, head_dim, 16, dtype, poison=1e4, generator=generator)
-    query = random_queries(len(lens), 6, head_dim, dtype, generator=generator)
+    query = random_queries(len(lens), 2 * group, head_dim, dtype, generator=generator)
     args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, head_dim**-0.5, None)
     out = cpu_native.paged_decode_attention(*args)
     expected = TorchReferenceBackend().paged_decode_attention(*args)
