@@ -405,6 +405,7 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
             store16(a->out, a->out_offset + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), tail[c], dtype);
     }
 }
+
 /* attend with common shapes' group and head size as constants (each one more instance to compile):
  * the queries and sums of a task then stay in registers, where the generic loops keep them in memory
  * (16 sequences of 60-500 tokens, cold caches, 30 layers, Sapphire Rapids class: fp32 8-11 % and bf16
