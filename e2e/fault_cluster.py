@@ -235,10 +235,12 @@ async def run_cluster_faults(model_dir: Path, out: Path, outage_s: float, down_w
 async def pod_kill(cluster: Cluster, load: Load) -> dict[str, Any]:
     runner = cluster.runner
     lo = cluster.now() - 5
-    # Mid-stream: the pod to kill is one that is streaming tokens to a user right now.
+    # Mid-stream: the pod to kill is one that is streaming tokens to a user right now, with at least
+    # half of them still to come (a stream about to end may already be in the socket's buffers, and
+    # then no request would fail).
     def streaming() -> RequestRecord | None:
         return next((r for r in load.records if r.ttft is not None and not r.end
-                     and r.backend in runner.ready_backends()), None)
+                     and r.tokens <= load.max_tokens // 2 and r.backend in runner.ready_backends()), None)
 
     async def kill_a_streaming_pod() -> tuple[Replica, float]:
         while (record := streaming()) is None:

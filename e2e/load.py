@@ -63,11 +63,13 @@ class Load:
             record.backend = stream.response.headers.get(BACKEND_HEADER, self.default_backend)
             usage = None
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text and record.ttft is None:
-                    record.ttft = time.monotonic() - started
+                if chunk.choices and chunk.choices[0].text:
+                    if record.ttft is None:
+                        record.ttft = time.monotonic() - started
+                    record.tokens += 1  # so far: a fault scenario picks a stream with most of it to come
                 if chunk.usage is not None:
                     usage = chunk.usage
-            record.tokens = usage.completion_tokens if usage else 0
+            record.tokens = usage.completion_tokens if usage else record.tokens
             record.ok = usage is not None and usage.completion_tokens == self.max_tokens
             if not record.ok:
                 record.error = f"stream ended after {record.tokens} of {self.max_tokens} tokens"
