@@ -5,7 +5,7 @@
 `pagoda serve` (its defaults) on the tests' tiny random Llama, whose steps take next to no time, so
 the server's event loop is most of the work. Each round sends 64 streamed completions of 128 tokens,
 16 at a time, through two clients in turn:
-- `pagoda bench serve`'s client (aiohttp, every event parsed and timed);
+- `pagoda bench serve`'s client (`server/bench/http.py`: every event parsed and timed);
 - a lean reader that parses nothing but the end of each response, as fast as a proxy in front of the
   pods would read.
 Then 200 one-token requests with ~650-character prompts (the lean reader) for the cost per request.

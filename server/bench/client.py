@@ -1,14 +1,16 @@
-"""One streamed request against an OpenAI-compatible server, timed chunk by chunk."""
+"""One streamed request against an OpenAI-compatible server, timed event by event."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from pagoda.server.bench.dataset import BenchRequest
+from pagoda.server.bench.http import Pool, ProtocolError
 
 
 @dataclass
@@ -38,6 +40,11 @@ class Target:
         base = base if base.endswith("/v1") else base + "/v1"
         return f"{base}/chat/completions" if self.endpoint == "chat" else f"{base}/completions"
 
+    @property
+    def path(self) -> str:
+        parts = urlsplit(self.url)
+        return parts.path + (f"?{parts.query}" if parts.query else "")
+
     def body(self, request: BenchRequest) -> dict[str, Any]:
         common = {
             "model": self.model,
@@ -63,44 +70,74 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return text
 
 
+class _Stream:
+    """A streamed response's body, line by line as it arrives: each `data:` event timed and counted
+    into `result` (the rest of a non-200 response's body kept for its error)."""
+
+    def __init__(self, result: RequestResult, start: float) -> None:
+        self.result, self.start, self.last = result, start, start
+        self.chunks_with_text = 0
+        self.error_body = b""
+        self._partial = b""
+
+    def body(self, status: int, piece: bytes) -> None:
+        if status != 200:
+            self.error_body = (self.error_body + piece)[:2000]
+            return
+        lines = (self._partial + piece).split(b"\n")
+        self._partial = lines.pop()
+        now = time.perf_counter()  # one read's events arrived together
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:") and not self.result.error:
+                self._event(line[5:].strip(), now)
+
+    def _event(self, data: bytes, now: float) -> None:
+        result = self.result
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = str(chunk["error"].get("message", chunk["error"]))
+            return
+        if _chunk_text(chunk):
+            if self.chunks_with_text == 0:
+                result.ttft = now - self.start
+            else:
+                result.itl.append(now - self.last)
+            self.chunks_with_text += 1
+            self.last = now
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+
+
 async def send_request(
-    session: aiohttp.ClientSession, target: Target, request: BenchRequest, t0: float
+    pool: Pool, target: Target, request: BenchRequest, t0: float, timeout: float
 ) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len)
     start = time.perf_counter()
     result.start = start - t0
-    last = start
-    chunks_with_text = 0
+    stream = _Stream(result, start)
+    payload = pool.post(target.path, json.dumps(target.body(request)).encode(), target.headers())
+    connection = None
     try:
-        async with session.post(target.url, json=target.body(request), headers=target.headers()) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return result
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"].get("message", chunk["error"]))
-                    return result
-                now = time.perf_counter()
-                if _chunk_text(chunk):
-                    if chunks_with_text == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    chunks_with_text += 1
-                    last = now
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+        connection = await pool.acquire()
+        ended = connection.exchange(payload, stream.body)
+        response = await asyncio.wait_for(ended, timeout)
+        pool.release(connection, response.keep_alive)
+        connection = None
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {stream.error_body.decode(errors='replace')[:200]}"
+            return result
+        if result.error:
+            return result
         result.latency = time.perf_counter() - start
         if not result.output_tokens:  # server without usage in streams: one token per chunk
-            result.output_tokens = chunks_with_text
+            result.output_tokens = stream.chunks_with_text
         result.success = True
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except (OSError, ProtocolError, TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if connection is not None:
+            pool.release(connection, reusable=False)
     return result

@@ -7,9 +7,9 @@ import math
 import random
 import time
 
-import aiohttp
 from pagoda.server.bench.client import RequestResult, Target, send_request
 from pagoda.server.bench.dataset import BenchRequest
+from pagoda.server.bench.http import Pool
 from tqdm import tqdm
 
 
@@ -26,22 +26,19 @@ async def run_benchmark(
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc="requests")
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    pool = Pool(target.url)
+    t0 = time.perf_counter()
 
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
-    ) as session:
-        t0 = time.perf_counter()
+    async def one(request: BenchRequest) -> RequestResult:
+        if limit is None:
+            result = await send_request(pool, target, request, t0, timeout)
+        else:
+            async with limit:
+                result = await send_request(pool, target, request, t0, timeout)
+        bar.update(1)
+        return result
 
-        async def one(request: BenchRequest) -> RequestResult:
-            if limit is None:
-                result = await send_request(session, target, request, t0)
-            else:
-                async with limit:
-                    result = await send_request(session, target, request, t0)
-            bar.update(1)
-            return result
-
+    try:
         tasks = []
         for i, request in enumerate(requests):
             tasks.append(asyncio.create_task(one(request)))
@@ -49,5 +46,7 @@ async def run_benchmark(
                 await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+    finally:
+        pool.close()
     bar.close()
     return list(results), duration
