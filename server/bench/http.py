@@ -90,12 +90,16 @@ class ResponseParser:
         self._state = "data" if self._left else "trailer"
         return True
 
-    def _data(self) -> bool:
+    def _take(self) -> int:
+        """Hands on what the buffer holds of the `_left` bytes to come; how many are still to come."""
         piece = self._buffer[: self._left]
         self._buffer = self._buffer[len(piece) :]
         self._left -= len(piece)
         self.on_body(self.status, piece)
-        if self._left:
+        return self._left
+
+    def _data(self) -> bool:
+        if self._take():
             return False
         self._state = "crlf"
         return True
@@ -117,11 +121,7 @@ class ResponseParser:
         return True
 
     def _sized(self) -> bool:
-        piece = self._buffer[: self._left]
-        self._buffer = self._buffer[len(piece) :]
-        self._left -= len(piece)
-        self.on_body(self.status, piece)
-        self.done = self._left == 0
+        self.done = self._take() == 0
         return False
 
     def _until_close(self) -> bool:
