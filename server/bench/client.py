@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pagoda.server.bench.dataset import BenchRequest
-from pagoda.server.bench.http import Pool, ProtocolError
+from pagoda.server.bench.http import Connection, Pool, ProtocolError, ResponseParser
 
 
 @dataclass
@@ -119,11 +119,15 @@ async def send_request(
     result.start = start - t0
     stream = _Stream(result, start)
     payload = pool.post(target.path, json.dumps(target.body(request)).encode(), target.headers())
-    connection = None
-    try:
+    connection: Connection | None = None
+
+    async def exchange() -> ResponseParser:
+        nonlocal connection
         connection = await pool.acquire()
-        ended = connection.exchange(payload, stream.body)
-        response = await asyncio.wait_for(ended, timeout)
+        return await connection.exchange(payload, stream.body)
+
+    try:
+        response = await asyncio.wait_for(exchange(), timeout)  # connecting included
         pool.release(connection, response.keep_alive)
         connection = None
         if response.status != 200:
@@ -135,7 +139,7 @@ async def send_request(
         if not result.output_tokens:  # server without usage in streams: one token per chunk
             result.output_tokens = stream.chunks_with_text
         result.success = True
-    except (OSError, ProtocolError, TimeoutError, ValueError) as exc:
+    except (OSError, ProtocolError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         if connection is not None:

@@ -137,3 +137,25 @@ def test_errors_are_reported_and_the_next_request_gets_a_fresh_connection():
     assert results[2].success and results[2].output_tokens == 1
     assert not results[3].success and results[3].error == "engine died" and results[3].ttft > 0
     assert crafted.connections == 2  # the broken stream's connection was not reused
+
+
+def test_a_server_that_never_answers_times_out_and_its_connection_is_closed():
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client closes its side
+        closed.set()
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        target = Target(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "m")
+        pool = Pool(target.url)
+        result = await send_request(pool, target, BenchRequest("hi", "hi", 1, 3), 0.0, 0.3)
+        await asyncio.wait_for(closed.wait(), 5)
+        server.close()
+        await server.wait_closed()
+        return result
+
+    result = asyncio.run(scenario())
+    assert not result.success and result.error.startswith("TimeoutError")
