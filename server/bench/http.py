@@ -31,7 +31,6 @@ class ResponseParser:
         self.keep_alive = True
         self.done = False
         self._buffer = b""
-        self._chunked = False
         self._left: int | None = None  # bytes of the sized body, or of the current chunk, still to come
         self._state = "head"  # head -> (size -> data -> crlf)* -> trailer | sized | until_close
 
@@ -60,6 +59,8 @@ class ResponseParser:
         if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
             raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         self.status = int(rest[:3])
+        if 100 <= self.status < 200:  # an interim response (103 Early Hints): the real one follows
+            return True
         headers = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
@@ -72,7 +73,7 @@ class ResponseParser:
             self._left, self._state = int(headers["content-length"]), "sized"
             if self._left == 0:
                 self.done = True
-        elif self.status in (204, 304) or 100 <= self.status < 200:
+        elif self.status in (204, 304):
             self.done = True
         else:
             self._state = "until_close"

@@ -44,11 +44,15 @@ def test_a_chunked_body_comes_out_whole_however_the_reads_split_it(size):
     assert body.count(b"data: ") == 5 and body.endswith(b"data: [DONE]\n\n") and b"\r\n" not in body
 
 
-def test_sized_and_until_close_bodies_and_connection_close():
+def test_sized_empty_and_until_close_bodies_interim_responses_and_connection_close():
     parser, body = parse_in_pieces(
         b"HTTP/1.1 429 Too Many\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy!", 2
     )
     assert parser.done and parser.status == 429 and not parser.keep_alive and body == b"busy!"
+    parser, body = parse_in_pieces(
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n", 5
+    )
+    assert parser.done and parser.status == 204 and body == b""
     parser, body = parse_in_pieces(b"HTTP/1.0 200 OK\r\n\r\nuntil the end", 4)
     assert not parser.done
     parser.close()
