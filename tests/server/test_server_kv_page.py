@@ -9,12 +9,14 @@ PAGODA_KV_PNG=docs/img/kv-page.png also saves the screenshot there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,13 @@ from support.pagoda_serve import metric_value, pagoda_serve
 from support.tiny_models import tiny_model_dir
 
 MODEL = "tiny"
-FLAGS = ["--served-model-name", MODEL, "--enable-prefix-caching", "--num-blocks", "96", "--block-size", "16",
-         "--max-num-seqs", "8", "--max-model-len", "512"]  # fmt: skip
+
+
+def flags(block_size: int) -> list[str]:
+    return ["--served-model-name", MODEL, "--enable-prefix-caching", "--num-blocks", "96", "--block-size",
+            str(block_size), "--max-num-seqs", "8", "--max-model-len", "512"]  # fmt: skip
+
+
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 3  # > 2 blocks
 
 
@@ -59,31 +66,50 @@ USED_SHOWN = "Number(document.getElementById('used').textContent)"
 NONE_USED = f"kv.refresh().then(() => {USED_SHOWN} === 0)"
 
 
-@pytest.fixture(scope="module")
-def pod(tmp_path_factory):
-    model = tiny_model_dir("llama", tmp_path_factory)
-    with pagoda_serve(model, FLAGS, tmp_path_factory.mktemp("serve") / "serve.log") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def page(pod, tmp_path_factory):
+@contextlib.contextmanager
+def served_with_page(block_size: int, tmp_path_factory) -> Iterator[tuple[str, Chromium]]:
+    """`pagoda serve` on the tiny model and its /kv page open in Chromium: (the server's URL, the page)."""
     if chromium_binary() is None:
         pytest.fail("`chromium` not found: run scripts/setup.sh --dev (installs Debian's chromium)")
-    browser = Chromium(pod + "/kv", tmp_path_factory.mktemp("chromium"))
-    try:
-        browser.wait_for("window.kv && kv.frames.length > 0 && kv.source !== null")
-        yield browser
-    finally:
-        browser.close()
+    model = tiny_model_dir("llama", tmp_path_factory)
+    with pagoda_serve(model, flags(block_size), tmp_path_factory.mktemp("serve") / "serve.log") as url:
+        browser = Chromium(url + "/kv", tmp_path_factory.mktemp("chromium"))
+        try:
+            browser.wait_for("window.kv && kv.frames.length > 0 && kv.source !== null")
+            yield url, browser
+        finally:
+            browser.close()
 
 
-def test_used_blocks_on_the_page_equal_the_metric_while_requests_run(pod, page):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with served_with_page(16, tmp_path_factory) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def pod(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    return served[1]
+
+
+def test_used_blocks_on_the_page_equal_the_metric_while_requests_run(tmp_path_factory):
+    # A server of its own with blocks of 64 tokens: one sequence then takes a block every ~0.1 s, and a
+    # read (two scrapes around the page's refresh) takes ~30 ms. With blocks of 16 a block came about
+    # once a read, and on a busy host the reads rarely found no change around them.
+    with served_with_page(64, tmp_path_factory) as (pod, page):
+        agree_while_requests_run(pod, page)
+
+
+def agree_while_requests_run(pod: str, page: Chromium) -> None:
     agreed = []
     # Waves of one long request until three reads agree while blocks are in use: the tiny model decodes
-    # fast enough that a wave can end within a few reads, and one sequence takes a new block only every
-    # 16 tokens (with three, one of them did every few steps: the reads rarely saw no change around them).
-    for wave in range(24):  # a busy host slows the page's reads: more waves, not a looser check
+    # fast enough that a wave can end within a few reads.
+    for wave in range(8):
         done = in_background((pod, f"{wave} {PROMPT}", {"max_tokens": 300, "ignore_eos": True}))
         while not done.is_set():
             started = time.time()
