@@ -32,7 +32,7 @@ def flags(block_size: int) -> list[str]:
             str(block_size), "--max-num-seqs", "8", "--max-model-len", "512"]  # fmt: skip
 
 
-PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 3  # > 2 blocks
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 3  # > 2 blocks of 16
 
 
 def complete(url: str, prompt: str, **params) -> dict:
@@ -108,7 +108,8 @@ def test_used_blocks_on_the_page_equal_the_metric_while_requests_run(tmp_path_fa
 def agree_while_requests_run(pod: str, page: Chromium) -> None:
     agreed = []
     # Waves of one long request until three reads agree while blocks are in use: the tiny model decodes
-    # fast enough that a wave can end within a few reads.
+    # fast enough that a wave can end within a few reads, and one sequence takes blocks the least often
+    # (with three, one of them did every few steps).
     for wave in range(8):
         done = in_background((pod, f"{wave} {PROMPT}", {"max_tokens": 300, "ignore_eos": True}))
         while not done.is_set():
