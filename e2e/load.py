@@ -69,7 +69,8 @@ class Load:
                     record.tokens += 1  # so far: a fault scenario picks a stream with most of it to come
                 if chunk.usage is not None:
                     usage = chunk.usage
-            record.tokens = usage.completion_tokens if usage else record.tokens
+            if usage is not None:  # else the count of chunks with text stands
+                record.tokens = usage.completion_tokens
             record.ok = usage is not None and usage.completion_tokens == self.max_tokens
             if not record.ok:
                 record.error = f"stream ended after {record.tokens} of {self.max_tokens} tokens"

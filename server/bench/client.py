@@ -7,7 +7,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from pagoda.server.bench.dataset import BenchRequest
 from pagoda.server.bench.http import Connection, Pool, ProtocolError, ResponseParser
@@ -39,11 +38,6 @@ class Target:
         base = self.base_url.rstrip("/")
         base = base if base.endswith("/v1") else base + "/v1"
         return f"{base}/chat/completions" if self.endpoint == "chat" else f"{base}/completions"
-
-    @property
-    def path(self) -> str:
-        parts = urlsplit(self.url)
-        return parts.path + (f"?{parts.query}" if parts.query else "")
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
         common = {
@@ -118,7 +112,7 @@ async def send_request(
     start = time.perf_counter()
     result.start = start - t0
     stream = _Stream(result, start)
-    payload = pool.post(target.path, json.dumps(target.body(request)).encode(), target.headers())
+    payload = pool.post(json.dumps(target.body(request)).encode(), target.headers())
     connection: Connection | None = None
 
     async def exchange() -> ResponseParser:

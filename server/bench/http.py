@@ -136,7 +136,6 @@ class Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.closed = False
         self._parser: ResponseParser | None = None
         self._ended: asyncio.Future[ResponseParser] | None = None
 
@@ -164,7 +163,6 @@ class Connection(asyncio.Protocol):
             self._ended.set_result(self._parser)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         if self._ended is None or self._ended.done():
             return
         try:
@@ -179,12 +177,14 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Keep-alive connections to one server, as many as requests in flight at once."""
+    """Keep-alive connections to the server of one URL, as many as requests in flight at once; `post`
+    makes the bytes of a request to that URL."""
 
-    def __init__(self, base_url: str) -> None:
-        parts = urlsplit(base_url)
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.path = parts.path + (f"?{parts.query}" if parts.query else "")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
@@ -194,14 +194,14 @@ class Pool:
     async def acquire(self) -> Connection:
         while self._idle:
             connection = self._idle.pop()
-            if not connection.closed and not connection.transport.is_closing():
+            if not connection.transport.is_closing():
                 return connection
         loop = asyncio.get_running_loop()
         _, connection = await loop.create_connection(Connection, self.host, self.port, ssl=self.ssl)
         return connection
 
     def release(self, connection: Connection, reusable: bool) -> None:
-        if reusable and not connection.closed:
+        if reusable and not connection.transport.is_closing():
             self._idle.append(connection)
         else:
             connection.transport.close()
@@ -211,8 +211,8 @@ class Pool:
             connection.transport.close()
         self._idle.clear()
 
-    def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        """The bytes of a POST of a JSON body."""
-        head = [f"POST {path} HTTP/1.1", f"Host: {self.host_header}", "Content-Type: application/json",
+    def post(self, body: bytes, headers: dict[str, str]) -> bytes:
+        """The bytes of a POST of a JSON body to the pool's URL."""
+        head = [f"POST {self.path} HTTP/1.1", f"Host: {self.host_header}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
