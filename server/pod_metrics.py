@@ -3,7 +3,9 @@
 Engine state (queue lengths, KV blocks, cumulative counters and per-step histograms) is read from
 `engine.stats()` at scrape time by a custom collector, never pushed from the step loop; the read
 changes nothing, so a scrape and any other reader never take values from each other. Per-request latencies are observed
-by the HTTP layer from each request's engine timestamps (`RequestOutput.metrics`).
+by the HTTP layer from each request's engine timestamps (`RequestOutput.metrics`), on the event loop,
+which also answers the scrapes: cumulative histograms of our own, without prometheus_client's locks
+(the inter-token one is observed once per streamed token).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pagoda.server.engine.outputs import EngineStats, RequestOutput
-from pagoda.server.engine.step_histograms import Histogram as StepHistogram
+from pagoda.server.engine.step_histograms import Histogram
 from pagoda.server.vllm_metrics import vllm_families
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -133,12 +135,24 @@ def _roofline_families(stats: EngineStats, label: list[str]) -> Iterable[Metric]
         yield _histogram(name, doc, histogram, label)
 
 
-def _histogram(name: str, doc: str, histogram: StepHistogram, label: list[str]) -> HistogramMetricFamily:
-    """An engine-kept cumulative histogram, exported as prometheus_client's own histograms are."""
+def _histogram(name: str, doc: str, histogram: Histogram, label: list[str]) -> HistogramMetricFamily:
+    """A cumulative histogram of our own, exported as prometheus_client's own histograms are."""
     family = HistogramMetricFamily(name, doc, labels=["model_name"])
     buckets = [(floatToGoString(bound), count) for bound, count in histogram.cumulative()]
     family.add_metric(label, buckets, histogram.sum)
     return family
+
+
+class _LatencyCollector(Collector):
+    """The per-request latency histograms the HTTP layer observes."""
+
+    def __init__(self, model_name: str, histograms: list[tuple[str, str, Histogram]]) -> None:
+        self._label = [model_name]
+        self._histograms = histograms
+
+    def collect(self) -> Iterable[Metric]:
+        for name, doc, histogram in self._histograms:
+            yield _histogram(name, doc, histogram, self._label)
 
 
 class ServerMetrics:
@@ -151,21 +165,16 @@ class ServerMetrics:
         self._read_stats: Callable[[], EngineStats] | None = None
         self.registry.register(_EngineCollector(model_name, self.read_stats))
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
-                model_name
-            )
-
-        self.ttft = histogram(
-            "pagoda_time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS
-        )
-        self.itl = histogram(
-            "pagoda_inter_token_latency_seconds", "Gap between consecutive output tokens.", LATENCY_BUCKETS
-        )
-        self.e2e = histogram("pagoda_e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram(
-            "pagoda_request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
-        )
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.registry.register(_LatencyCollector(model_name, [
+            ("pagoda_time_to_first_token_seconds", "Arrival to first generated token.", self.ttft),
+            ("pagoda_inter_token_latency_seconds", "Gap between consecutive output tokens.", self.itl),
+            ("pagoda_e2e_request_latency_seconds", "Arrival to finish.", self.e2e),
+            ("pagoda_request_queue_time_seconds", "Arrival to first scheduled.", self.queue_time),
+        ]))  # fmt: skip
         finished = Counter(
             "pagoda_requests_finished",
             "Finished requests by reason.",
@@ -211,29 +220,23 @@ class RequestTracker:
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
-        self._tokens_seen = 0
         self._last_token_time: float | None = None
         self._done = False
 
     def update(self, output: RequestOutput) -> None:
-        times = output.metrics
-        new = sum(len(c.token_ids) for c in output.outputs if c.index == 0)
-        if new > 0 and times.last_token_time is not None:
+        first = next((c for c in output.outputs if c.index == 0), None)
+        new = len(first.token_ids) if first is not None else 0
+        last_token_time = output.metrics.last_token_time
+        if new and last_token_time is not None:
             if self._last_token_time is not None:
                 # An output may hold several steps' tokens; spread the gap evenly over them.
-                gap = max(times.last_token_time - self._last_token_time, 0.0) / new
-                for _ in range(new):
-                    self._metrics.itl.observe(gap)
+                self._metrics.itl.observe(max(last_token_time - self._last_token_time, 0.0) / new, new)
             elif new > 1:  # the first output already holds several tokens: gaps after the first one
-                first = times.first_token_time or times.last_token_time
-                gap = max(times.last_token_time - first, 0.0) / (new - 1)
-                for _ in range(new - 1):
-                    self._metrics.itl.observe(gap)
-            self._tokens_seen += new
-            self._last_token_time = times.last_token_time
+                first_token_time = output.metrics.first_token_time or last_token_time
+                self._metrics.itl.observe(max(last_token_time - first_token_time, 0.0) / (new - 1), new - 1)
+            self._last_token_time = last_token_time
         if output.finished:
-            reason = next((c.finish_reason for c in output.outputs if c.index == 0), None)
-            self.finish(reason or "stop", output)
+            self.finish((first.finish_reason if first is not None else None) or "stop", output)
 
     def finish(self, reason: str, output: RequestOutput | None = None) -> None:
         if self._done:

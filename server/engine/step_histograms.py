@@ -1,4 +1,5 @@
-"""Cumulative histograms of per-step quantities, kept by the engine and read (never drained).
+"""Cumulative histograms of per-step quantities, kept by the engine and read (never drained); the
+server keeps its per-request latencies in the same `Histogram` (`pod_metrics.py`).
 
 Each is what a Prometheus histogram holds: per-bucket counts, a sum and a count, only ever growing,
 so any number of readers can take a copy and differences between copies lose nothing. The buckets
@@ -28,12 +29,13 @@ class Histogram:
         if not self.counts:
             self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, times: int = 1) -> None:
+        """`value` seen `times` times."""
         # NaN (a step of zero seconds) lands in +Inf, like any value above every bound.
         index = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
-        self.counts[index] += 1
-        self.sum += value
-        self.count += 1
+        self.counts[index] += times
+        self.sum += value * times
+        self.count += times
 
     def copy(self) -> Histogram:
         return Histogram(self.buckets, list(self.counts), self.sum, self.count)
