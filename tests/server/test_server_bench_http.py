@@ -84,8 +84,9 @@ class CraftedServer:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         while True:
-            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
-            if not head:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client closed the connection
                 break
             sized = (line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
             length = int(next(sized).split(b":")[1])
@@ -132,15 +133,21 @@ def test_errors_are_reported_and_the_next_request_gets_a_fresh_connection():
         [{"choices": [{"text": "a"}]}, {"error": {"message": "engine died"}}], done=False
     )
     broken = completion(["a", "b", "c"])[:-40]  # the server goes away mid-stream
-    answers = [(refused, False), (broken, True), (completion(["x"], usage=1), False), (in_stream, True)]
-    results, crafted = asyncio.run(run_against(answers, 4))
+    not_json = completion(["a"]).replace(b"data: [DONE]", b"data: {oops!")  # as long: the chunk sizes hold
+    bad_length = b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n"
+    answers = [(refused, False), (broken, True), (completion(["x"], usage=1), False), (in_stream, True),
+               (not_json, False), (bad_length, True)]  # fmt: skip
+    results, crafted = asyncio.run(run_against(answers, 6))
     assert (
         not results[0].success and results[0].error.startswith("HTTP 400") and "bad input" in results[0].error
     )
     assert not results[1].success and "closed before the response ended" in results[1].error
     assert results[2].success and results[2].output_tokens == 1
     assert not results[3].success and results[3].error == "engine died" and results[3].ttft > 0
-    assert crafted.connections == 2  # the broken stream's connection was not reused
+    assert not results[4].success and results[4].error.startswith("JSONDecodeError")
+    assert not results[5].success and results[5].error.startswith("ValueError")
+    # the connections of the broken stream, the bad event and the bad length were not reused
+    assert crafted.connections == 4
 
 
 def test_a_server_that_never_answers_times_out_and_its_connection_is_closed():
