@@ -1,7 +1,8 @@
 """The CPU attention backend: decode through the native kernel (`cpu_native.c`) where it builds, else one
 fused attention call per layer and length group, in the model dtype. A short prefill (a prompt or two
 joining a batch of decodes) also goes through the native kernel, each new token as a decode query
-that sees its sequence up to itself; a long one through torch's flash attention, a call a sequence.
+that sees its sequence up to itself; a long one through the native prefill kernel (a tile of tokens
+per K/V read; AVX-512, no sliding window), else torch's flash attention, a call a sequence.
 
 The reference (`reference.py`) spells attention out op by op in fp32, per KV head; it stays the oracle.
 This backend does the same in far fewer torch calls, which is what a CPU step pays for at serving
@@ -28,8 +29,11 @@ from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 
 # Prefills whose sequences are all this short attend token by token in the native kernel, one call for
 # all of them: as fast as torch's flash attention for one prompt of up to 256 tokens, 1.3-1.9x for
-# several (flash costs a call a sequence; 2 cores, bf16). Past it flash's blocking wins: a long context
-# is read once a block of queries, not once a query (a 64-token chunk after 448 cached: 1.5-1.7x).
+# several (flash costs a call a sequence; 2 cores, bf16), and the fused decode layers then take a
+# step that mixes them with decodes. Past it a context is read once a tile of queries, not once a
+# query: the native tiled kernel (`cpu_native.prefill_attention`, AVX-512; at 512-2,047 tokens
+# 2.1-3.3x flash in bf16, 1.6-2.1x in fp32, Zen 5, 2 cores), else flash (a 64-token chunk after
+# 448 cached: 1.5-1.7x the per-token kernel).
 PER_TOKEN_PREFILL_CONTEXT = 256
 
 
@@ -156,6 +160,12 @@ class CpuBackend(TorchReferenceBackend):
         rows = self.per_token_prefill(cu_seqlens_q, context_lens, block_tables, step_cache)
         if rows is not None:
             out = cpu_native.paged_decode_attention(query, k_cache, v_cache, *rows, scale, sliding_window)
+            if out is not None:
+                return out
+        elif self.native and sliding_window is None:  # a tile of tokens per K/V row read (AVX-512)
+            out = cpu_native.prefill_attention(
+                query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+            )
             if out is not None:
                 return out
         out = torch.empty_like(query)

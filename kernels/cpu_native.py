@@ -103,6 +103,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32", "pagoda_linear_f32_bf16w"):
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
+    lib.pagoda_prefill_attention.argtypes = [
+        p, i64, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32
+    ]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_rotary.argtypes = [p, i64, i32, i32, i32, p, p, i32, i32]
@@ -154,6 +157,21 @@ def _attention_takes(lib: ctypes.CDLL, k_cache: torch.Tensor, v_cache: torch.Ten
     )
 
 
+def _attention_library(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where an attention kernel reads these tensors as they are (CPU, one dtype they
+    compute in, rows of contiguous heads, caches and GQA shapes `_attention_takes`); else None."""
+    lib = library() if query.device.type == "cpu" else None
+    if (
+        lib is None
+        or query.dtype not in DTYPES
+        or not (k_cache.dtype == v_cache.dtype == query.dtype)
+        or query.stride(-1) != 1
+        or not _attention_takes(lib, k_cache, v_cache, query.shape[1])
+    ):
+        return None
+    return lib
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -163,17 +181,10 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor | None:
-    dtype = DTYPES.get(query.dtype)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    lib = library() if query.device.type == "cpu" else None
-    if (
-        lib is None
-        or dtype is None
-        or not (k_cache.dtype == v_cache.dtype == query.dtype)
-        or query.stride(2) != 1
-        or not _attention_takes(lib, k_cache, v_cache, num_heads)
-    ):
+    lib = _attention_library(query, k_cache, v_cache)
+    if lib is None:
         return None
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
@@ -182,7 +193,37 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, k_cache.shape[1], k_cache.shape[0],
-        scale, sliding_window or 0, dtype, torch.get_num_threads(),
+        scale, sliding_window or 0, DTYPES[query.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -2:
+        raise IndexError("a block table entry is outside the KV cache")
+    return out if status == 0 else None
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the new tokens of every sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]: sequence s's new tokens are rows cu[s]..cu[s + 1]
+    context_lens: torch.Tensor,  # [num_seqs]: cached + new tokens
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+) -> torch.Tensor | None:
+    """Causal attention of new tokens to their sequences' caches, tiles of tokens at a time (the
+    AVX-512 kernel); None where it does not run (no sliding windows: the caller checks)."""
+    num_heads, head_dim = query.shape[1:]
+    lib = _attention_library(query, k_cache, v_cache)
+    if lib is None or lib.lanes != 16 or head_dim % 16:
+        return None
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = cu_seqlens_q.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(query.shape[0], num_heads, head_dim, dtype=query.dtype)
+    status = lib.pagoda_prefill_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], k_cache.shape[0], scale, DTYPES[query.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         raise IndexError("a block table entry is outside the KV cache")

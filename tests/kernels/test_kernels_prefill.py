@@ -133,14 +133,81 @@ def test_prefill_as_decode_rows():
     assert lens.tolist() == [3, 4, 5, 1, 2] and lens.dtype == torch.int32  # each sees up to itself
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_short_prefills_go_token_by_token_and_long_ones_to_flash(reference, generator, dtype, monkeypatch):
-    """Both sides of PER_TOKEN_PREFILL_CONTEXT match the reference; the native kernel takes the short one."""
+def _counting(monkeypatch, name: str) -> list[int]:
+    """Calls of `cpu_native.<name>` that ran (returned a result), counted; the kernel still runs."""
     calls = []
-    native = cpu_native.paged_decode_attention
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    kernel = getattr(cpu_native, name)
+
+    def counted(*args):
+        out = kernel(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_native, name, counted)
+    return calls
+
+
+def _tiles_run() -> bool:
+    """The tiled prefill kernel is built here (AVX-512); elsewhere torch's flash attention runs."""
+    lib = cpu_native.library()
+    return lib is not None and lib.lanes == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_prefills_go_token_by_token_and_long_ones_a_tile_at_a_time(
+    reference, generator, dtype, monkeypatch
+):
+    """Both sides of PER_TOKEN_PREFILL_CONTEXT match the reference; the per-token kernel takes the
+    short one, the tiled kernel (where it builds) the long one."""
+    per_token = _counting(monkeypatch, "paged_decode_attention")
+    tiled = _counting(monkeypatch, "prefill_attention")
     limit = cpu_backend.PER_TOKEN_PREFILL_CONTEXT
     for seqs, token_by_token in (([(limit, limit), (50, 20)], True), ([(limit + 1, 9), (30, 30)], False)):
-        calls.clear()
+        per_token.clear()
+        tiled.clear()
         _check_prefill(CpuBackend(), reference, generator, seqs, group=3, block_size=16, dtype=dtype)
-        assert bool(calls) == (token_by_token and cpu_native.library() is not None)
+        assert any(per_token) == (token_by_token and cpu_native.library() is not None)
+        assert any(tiled) == (not token_by_token and _tiles_run())
+
+
+# Past the per-token limit: whole prompts (ending mid-block and on a tile's edge), a chunk after a
+# cached prefix, one token after a long one; every tile shape of the group's heads.
+LONG = [(301, 301), (264, 264), (400, 133), (290, 1)]
+LONG_CASES = [(1, 16, 64), (3, 16, 64), (4, 8, 32), (2, 16, 80), (8, 8, 128)]
+
+
+@pytest.mark.parametrize(
+    ("group", "block_size", "head_dim"), LONG_CASES, ids=[f"g{g}-b{b}-d{d}" for g, b, d in LONG_CASES]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefills_tile_by_tile_match_reference(
+    group, block_size, head_dim, dtype, reference, generator, monkeypatch
+):
+    tiled = _counting(monkeypatch, "prefill_attention")
+    _check_prefill(
+        CpuBackend(),
+        reference,
+        generator,
+        LONG,
+        group=group,
+        block_size=block_size,
+        dtype=dtype,
+        head_dim=head_dim,
+    )
+    assert tiled == [_tiles_run()]
+
+
+def test_long_prefills_with_a_sliding_window_go_to_flash(reference, generator, monkeypatch):
+    """The tiled kernel has no window: flash attention takes those (and matches the reference)."""
+    tiled = _counting(monkeypatch, "prefill_attention")
+    _check_prefill(
+        CpuBackend(),
+        reference,
+        generator,
+        LONG,
+        group=3,
+        block_size=16,
+        dtype=torch.float32,
+        sliding_window=100,
+    )
+    assert tiled == []
