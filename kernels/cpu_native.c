@@ -653,7 +653,11 @@ INLINE __m512 prefill_scores(const __m512 *kt, const float *qf, const uint32_t *
 
 INLINE void prefill_tile_shaped(const struct prefill_task *a, const int dtype, const int vecs) {
     const int group = a->group, rows = a->tokens * group, head_dim = 16 * vecs;
-    const int in_pairs = dtype == DTYPE_BF16 && head_dim % 32 == 0;
+#if defined(__AVX512BF16__)
+    const int in_pairs = dtype == DTYPE_BF16 && head_dim % 32 == 0; /* Q.K on the bf16 pairs as stored */
+#else
+    const int in_pairs = 0; /* AVX-512 without bf16 arithmetic (Skylake-SP to Ice Lake): widened to fp32 */
+#endif
     float qf[rows][head_dim], probs[rows][16], row_max[rows];
     uint32_t qpairs[rows][head_dim / 2];
     __m512 acc[rows][vecs], row_sum[rows], kt[head_dim], vf[16][vecs]; /* sums lane by lane: reduced once, at the end */

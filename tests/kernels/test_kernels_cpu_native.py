@@ -40,13 +40,23 @@ def test_disabled_by_environment(tmp_path):
     assert out.stdout.strip() == "True" and not list(tmp_path.iterdir())
 
 
+# The instruction sets a tier's build needs from the CPU that runs it
+TIER_FLAGS = {
+    "skylake-avx512": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"},
+    "x86-64-v3": {"avx2", "fma"},
+    "x86-64": set(),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("march", "lanes"), [("x86-64-v3", 8), ("x86-64", 0)])
+@pytest.mark.parametrize(("march", "lanes"), [("skylake-avx512", 16), ("x86-64-v3", 8), ("x86-64", 0)])
 def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
-    """This file's tests again on the kernels built for an older x86 CPU than this one: AVX2 + FMA
-    (8 lanes), and baseline x86-64 (no vector kernels: torch's ops where they are missing)."""
-    if platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text().split():
-        pytest.skip("an x86 CPU with AVX2 runs every tier")
+    """This file's tests again on the kernels built for an older x86 CPU than this one: AVX-512
+    without bf16 arithmetic (Skylake-SP), AVX2 + FMA (8 lanes), and baseline x86-64 (no vector
+    kernels: torch's ops where they are missing)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if platform.machine() == "x86_64" else set()
+    if platform.machine() != "x86_64" or not TIER_FLAGS[march] <= flags:
+        pytest.skip(f"an x86 CPU with {sorted(TIER_FLAGS[march])} runs the {march} tier")
     env = {**os.environ, "PAGODA_NATIVE_MARCH": march, "PAGODA_KERNEL_CACHE": str(tmp_path)}
     check = "from pagoda.kernels import cpu_native; print(cpu_native.library().lanes)"
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True)
@@ -56,6 +66,24 @@ def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "block_size", "head_dim"), [(3, 16, 64), (4, 8, 128), (2, 16, 48)])
+def test_prefill_attention_matches_reference(dtype, group, block_size, head_dim, generator):
+    """Whole prompts and chunks after a cached prefix, a tile of tokens at a time (AVX-512 builds;
+    elsewhere the kernel declines and the backend runs torch's flash attention)."""
+    seqs = [(70, 70), (300, 45), (33, 1), (129, 128)]  # (context, new tokens)
+    cache = make_paged_kv([c for c, _ in seqs], 2, head_dim, block_size, dtype, poison=1e4, generator=generator)
+    cu_seqlens_q = F.pad(torch.tensor([n for _, n in seqs]).cumsum(0), (1, 0)).to(torch.int32)
+    query = random_queries(int(cu_seqlens_q[-1]), 2 * group, head_dim, dtype, generator=generator)
+    args = (query, cache.k_cache, cache.v_cache, cu_seqlens_q, cache.context_lens, cache.block_tables, head_dim**-0.5)
+    out = cpu_native.prefill_attention(*args)
+    if cpu_native.library().lanes != 16:
+        assert out is None
+        return
+    expected = TorchReferenceBackend().paged_prefill_attention(*args, None)
+    assert out.dtype == dtype and relative_error(out, expected) <= tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -176,6 +176,13 @@ LONG = [(301, 301), (264, 264), (400, 133), (290, 1)]
 LONG_CASES = [(1, 16, 64), (3, 16, 64), (4, 8, 32), (2, 16, 80), (8, 8, 128)]
 
 
+def _tiled_calls(reference, generator, monkeypatch, **shape) -> list[bool]:
+    """LONG through the CPU backend, checked against the reference: the tiled kernel's calls."""
+    tiled = _counting(monkeypatch, "prefill_attention")
+    _check_prefill(CpuBackend(), reference, generator, LONG, **shape)
+    return tiled
+
+
 @pytest.mark.parametrize(
     ("group", "block_size", "head_dim"), LONG_CASES, ids=[f"g{g}-b{b}-d{d}" for g, b, d in LONG_CASES]
 )
@@ -183,31 +190,11 @@ LONG_CASES = [(1, 16, 64), (3, 16, 64), (4, 8, 32), (2, 16, 80), (8, 8, 128)]
 def test_long_prefills_tile_by_tile_match_reference(
     group, block_size, head_dim, dtype, reference, generator, monkeypatch
 ):
-    tiled = _counting(monkeypatch, "prefill_attention")
-    _check_prefill(
-        CpuBackend(),
-        reference,
-        generator,
-        LONG,
-        group=group,
-        block_size=block_size,
-        dtype=dtype,
-        head_dim=head_dim,
-    )
-    assert tiled == [_tiles_run()]
+    shape = {"group": group, "block_size": block_size, "dtype": dtype, "head_dim": head_dim}
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [_tiles_run()]
 
 
 def test_long_prefills_with_a_sliding_window_go_to_flash(reference, generator, monkeypatch):
     """The tiled kernel has no window: flash attention takes those (and matches the reference)."""
-    tiled = _counting(monkeypatch, "prefill_attention")
-    _check_prefill(
-        CpuBackend(),
-        reference,
-        generator,
-        LONG,
-        group=3,
-        block_size=16,
-        dtype=torch.float32,
-        sliding_window=100,
-    )
-    assert tiled == []
+    shape = {"group": 3, "block_size": 16, "dtype": torch.float32, "sliding_window": 100}
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == []
