@@ -213,7 +213,7 @@ def prefill_attention(
     AVX-512 kernel); None where it does not run (no sliding windows: the caller checks)."""
     num_heads, head_dim = query.shape[1:]
     lib = _attention_library(query, k_cache, v_cache)
-    if lib is None or lib.lanes != 16 or head_dim % 16:
+    if lib is None or not has_tiled_prefill() or head_dim % 16:
         return None
     tables = block_tables.to(torch.int32).contiguous()
     starts = cu_seqlens_q.to(torch.int32).contiguous()
@@ -273,6 +273,12 @@ def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
 
 
 LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
+
+
+def has_tiled_prefill() -> bool:
+    """The tiled prefill attention (AVX-512 only) is built here; elsewhere it declines."""
+    lib = library()
+    return lib is not None and lib.lanes == 16
 
 
 def has_vector_kernels() -> bool:
