@@ -1,8 +1,9 @@
 """The CPU attention backend: decode through the native kernel (`cpu_native.c`) where it builds, else one
-fused attention call per layer and length group, in the model dtype. A short prefill (a prompt or two
-joining a batch of decodes) also goes through the native kernel, each new token as a decode query
-that sees its sequence up to itself; a long one through the native prefill kernel (a tile of tokens
-per K/V read; AVX-512, no sliding window), else torch's flash attention, a call a sequence.
+fused attention call per layer and length group, in the model dtype. Prefill goes through the native
+tiled kernel (a tile of tokens per K/V read; AVX-512, no sliding window); elsewhere a short one (a
+prompt or two joining a batch of decodes) through the decode kernel, each new token as a decode query
+that sees its sequence up to itself, and a long one through torch's flash attention, a call a sequence.
+`prefill_kernel` is that rule, for this backend and the fused native decode layers.
 
 The reference (`reference.py`) spells attention out op by op in fp32, per KV head; it stays the oracle.
 This backend does the same in far fewer torch calls, which is what a CPU step pays for at serving
@@ -27,13 +28,15 @@ import torch.nn.functional as F
 from pagoda.kernels import cpu_native
 from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 
-# Prefills whose sequences are all this short attend token by token in the native kernel, one call for
-# all of them: as fast as torch's flash attention for one prompt of up to 256 tokens, 1.3-1.9x for
-# several (flash costs a call a sequence; 2 cores, bf16), and the fused decode layers then take a
-# step that mixes them with decodes. Past it a context is read once a tile of queries, not once a
-# query: the native tiled kernel (`cpu_native.prefill_attention`, AVX-512; at 512-2,047 tokens
-# 2.1-3.3x flash in bf16, 1.6-2.1x in fp32, Zen 5, 2 cores), else flash (a 64-token chunk after
-# 448 cached: 1.5-1.7x the per-token kernel).
+# How the native kernels attend a prefill part (`CpuBackend.prefill_kernel`). The tiled kernel
+# (`cpu_native.prefill_attention`) reads a context once a tile of queries: at 512-2,047 tokens 2.1-3.3x
+# flash in bf16, 1.6-2.1x in fp32, and 1.3-2.2x the per-token kernel from 32 new tokens (level below;
+# Zen 5, 2 cores). Without it (AVX2, a sliding window), prefills whose sequences are all at most
+# PER_TOKEN_PREFILL_CONTEXT long attend token by token in the decode kernel, one call for all of them:
+# as fast as flash for one prompt of up to 256 tokens, 1.3-1.9x for several (flash costs a call a
+# sequence); longer ones go to flash (a 64-token chunk after 448 cached: 1.5-1.7x the per-token kernel).
+# Either native way, the fused decode layers take a step that mixes the prefill with decodes.
+TILED, PER_TOKEN = "tiled", "per-token"
 PER_TOKEN_PREFILL_CONTEXT = 256
 
 
@@ -141,14 +144,27 @@ class CpuBackend(TorchReferenceBackend):
             out[group.rows] = attended
         return out
 
-    def per_token_prefill(self, cu_seqlens_q, context_lens, block_tables, step_cache=None):
-        """`prefill_as_decode` of a prefill part this backend runs token by token natively, else None;
-        decided and worked out once per step. The one rule for this backend and the fused native layers."""
+    def prefill_kernel(self, context_lens, head_dim, sliding_window, step_cache=None) -> str | None:
+        """TILED or PER_TOKEN: the native kernel that attends a prefill part with these contexts; None:
+        torch's flash attention. The one rule for this backend and the fused native decode layers."""
+        if not (self.native and context_lens.device.type == "cpu"):
+            return None
+        if sliding_window is None and cpu_native.has_tiled_prefill(head_dim):
+            return TILED
+        if step_cache is not None and "cpu_prefill_short" in step_cache:
+            short = step_cache["cpu_prefill_short"]
+        else:
+            short = int(context_lens.max()) <= PER_TOKEN_PREFILL_CONTEXT
+            if step_cache is not None:
+                step_cache["cpu_prefill_short"] = short
+        return PER_TOKEN if short else None
+
+    @staticmethod
+    def per_token_rows(cu_seqlens_q, context_lens, block_tables, step_cache=None):
+        """`prefill_as_decode` of the step's prefill part, worked out once per step."""
         if step_cache is not None and "cpu_prefill_rows" in step_cache:
             return step_cache["cpu_prefill_rows"]
-        takes = self.native and context_lens.device.type == "cpu"
-        short = takes and int(context_lens.max()) <= PER_TOKEN_PREFILL_CONTEXT
-        rows = prefill_as_decode(cu_seqlens_q, context_lens, block_tables) if short else None
+        rows = prefill_as_decode(cu_seqlens_q, context_lens, block_tables)
         if step_cache is not None:
             step_cache["cpu_prefill_rows"] = rows
         return rows
@@ -157,15 +173,16 @@ class CpuBackend(TorchReferenceBackend):
         self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
         step_cache=None,
     ):  # fmt: skip
-        rows = self.per_token_prefill(cu_seqlens_q, context_lens, block_tables, step_cache)
-        if rows is not None:
-            out = cpu_native.paged_decode_attention(query, k_cache, v_cache, *rows, scale, sliding_window)
-            if out is not None:
-                return out
-        elif self.native and sliding_window is None:  # a tile of tokens per K/V row read (AVX-512)
+        kernel = self.prefill_kernel(context_lens, query.shape[-1], sliding_window, step_cache)
+        if kernel == TILED:  # a tile of tokens per K/V row read
             out = cpu_native.prefill_attention(
                 query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
             )
+            if out is not None:
+                return out
+        elif kernel == PER_TOKEN:
+            rows = self.per_token_rows(cu_seqlens_q, context_lens, block_tables, step_cache)
+            out = cpu_native.paged_decode_attention(query, k_cache, v_cache, *rows, scale, sliding_window)
             if out is not None:
                 return out
         out = torch.empty_like(query)

@@ -763,20 +763,31 @@ static void prefill_tile(const struct prefill_task *a, const int dtype) {
     if (dtype == DTYPE_BF16) prefill_tile_shaped(a, DTYPE_BF16, vecs); else prefill_tile_shaped(a, DTYPE_F32, vecs);
 }
 
+/* 0 where the kernel takes these shapes and tables; else -1 (shapes, or new tokens past a context) or -2 (a
+ * block outside the cache). Checked before anything is written (the fused decode layers check up front). */
+static int prefill_refuses(const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_starts,
+                           const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, int num_blocks) {
+    const int group = num_heads / num_kv_heads;
+    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
+    for (int seq = 0; seq < num_seqs; seq++) {
+        const int new_tokens = seq_starts[seq + 1] - seq_starts[seq];
+        if (new_tokens < 0 || new_tokens > context_lens[seq]) return -1;
+    }
+    return blocks_exist(block_tables, block_table_stride, context_lens, num_seqs, block_size, num_blocks) ? 0 : -2;
+}
+
 int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                              const void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                              const int32_t *seq_starts, const int32_t *context_lens, void *out, int num_seqs,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                              float scale, int dtype, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
-    if (!blocks_exist(block_tables, block_table_stride, context_lens, num_seqs, block_size, num_blocks)) return -2;
+    const int refused = prefill_refuses(block_tables, block_table_stride, seq_starts, context_lens, num_seqs, num_heads,
+                                        num_kv_heads, head_dim, block_size, num_blocks);
+    if (refused) return refused;
     int tiles = 0;
-    for (int seq = 0; seq < num_seqs; seq++) {
-        const int new_tokens = seq_starts[seq + 1] - seq_starts[seq];
-        if (new_tokens < 0 || new_tokens > context_lens[seq]) return -1;
-        tiles += (new_tokens + PREFILL_TILE - 1) / PREFILL_TILE;
-    }
+    for (int seq = 0; seq < num_seqs; seq++) tiles += (seq_starts[seq + 1] - seq_starts[seq] + PREFILL_TILE - 1) / PREFILL_TILE;
     int *tile_seq = malloc((size_t)(tiles > 0 ? tiles : 1) * 2 * sizeof(int)), *tile_first = tile_seq + tiles;
     if (!tile_seq) return -1;
     for (int seq = 0, at = 0; seq < num_seqs; seq++)
@@ -812,6 +823,12 @@ int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_he
                              int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
                              float scale, int dtype, int num_threads) {
     return -1; /* the AVX-512 kernel only: elsewhere torch's flash attention */
+}
+
+static int prefill_refuses(const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_starts,
+                           const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, int num_blocks) {
+    return -1;
 }
 #endif
 
@@ -2023,13 +2040,24 @@ static int run_linear(int kernel, int dtype, const void *x, const struct project
                                          : pagoda_linear_f32(x, p->weight, p->bias, y, M, N, K, num_threads);
 }
 
+/* A step's prefill tokens, attended a tile at a time (`pagoda_prefill_attention`'s arguments): sequence s's
+ * new tokens are rows starts[s]..starts[s + 1] of the step. */
+struct prefill_part {
+    const int32_t *starts, *context_lens, *block_tables;
+    int64_t block_table_stride;
+    int64_t num_seqs;
+};
+
 /* hidden [rows, hidden]: the embeddings in, the last layer's MLP output out; residual [rows, hidden]:
  * the residual stream before that output (the caller's final norm adds the two). cos/sin [rows,
- * head_dim] in the model dtype; slots, block tables and context lengths as the attention's. */
+ * head_dim] in the model dtype; slots as the attention's. The first prefill->starts[num_seqs] rows are
+ * the prefill's (prefill NULL: none), attended by the tiled kernel; each row after them is a decode
+ * query with its own row of block tables and context lengths. Shapes, tables and slots are checked
+ * before anything is written. */
 int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, const struct decoder_shape *s,
                          void *hidden, void *residual, const void *cos, const void *sin, const int64_t *slots,
-                         const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,
-                         int rows, int num_threads) {
+                         const struct prefill_part *prefill, const int32_t *block_tables, int64_t block_table_stride,
+                         const int32_t *context_lens, int rows, int num_threads) {
     const int dtype = s->dtype, hd = s->head_dim;
     const int q_size = s->num_heads * hd, kv_size = s->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     const size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
@@ -2037,6 +2065,17 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
     if (hd > MAX_HEAD_DIM || hd % 2 || s->hidden > MAX_HIDDEN) return -1;
     for (int r = 0; r < rows; r++)
         if (slots[r] >= num_slots) return -3;
+    const int prefill_seqs = prefill ? (int)prefill->num_seqs : 0;
+    const int prefill_rows = prefill_seqs ? prefill->starts[prefill_seqs] : 0;
+    if (prefill_seqs) {
+        if (prefill->starts[0] != 0 || prefill_rows > rows) return -1;
+        for (int l = 0; l < num_layers; l++)
+            if (layers[l].sliding_window) return -1; /* the tiled kernel attends whole contexts */
+        const int refused = prefill_refuses(prefill->block_tables, prefill->block_table_stride, prefill->starts,
+                                            prefill->context_lens, prefill_seqs, s->num_heads, s->num_kv_heads, hd,
+                                            s->block_size, s->num_blocks);
+        if (refused) return refused;
+    }
     const size_t wide = (size_t)(qkv_size > 2 * s->intermediate ? qkv_size : 2 * s->intermediate);
     const size_t narrow = (size_t)(q_size > s->intermediate ? q_size : s->intermediate);
     char *scratch = malloc((size_t)rows * ((s->hidden + wide + narrow) * elem + 2 * hd * sizeof(float)));
@@ -2065,10 +2104,18 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
                    dtype);
         const char *k = (const char *)qkv_or_gate_up + (size_t)q_size * elem, *v = k + (size_t)kv_size * elem;
         pagoda_store_kv(k, qkv_size, v, qkv_size, L->k_cache, L->v_cache, slots, rows, kv_size, num_slots, dtype);
-        const int attended = pagoda_paged_decode_attention(
-            qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, block_tables, block_table_stride, context_lens, attended_or_act, rows,
-            s->num_heads, s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype,
-            num_threads);
+        int attended = 0;
+        if (prefill_rows)
+            attended = pagoda_prefill_attention(qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, prefill->block_tables,
+                                                prefill->block_table_stride, prefill->starts, prefill->context_lens,
+                                                attended_or_act, prefill_seqs, s->num_heads, s->num_kv_heads, hd,
+                                                s->block_size, s->num_blocks, s->scale, dtype, num_threads);
+        if (!attended && rows > prefill_rows)
+            attended = pagoda_paged_decode_attention(
+                (const char *)qkv_or_gate_up + (size_t)prefill_rows * qkv_size * elem, qkv_size, hd, L->k_cache,
+                L->v_cache, block_tables, block_table_stride, context_lens,
+                (char *)attended_or_act + (size_t)prefill_rows * q_size * elem, rows - prefill_rows, s->num_heads,
+                s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype, num_threads);
         if (attended) {
             status = attended;
             break;

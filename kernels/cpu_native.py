@@ -112,7 +112,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
     lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
-    lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, i64, p, i32, i32]
+    lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
     lib.pagoda_linear_int8.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
@@ -213,7 +213,7 @@ def prefill_attention(
     AVX-512 kernel); None where it does not run (no sliding windows: the caller checks)."""
     num_heads, head_dim = query.shape[1:]
     lib = _attention_library(query, k_cache, v_cache)
-    if lib is None or not has_tiled_prefill() or head_dim % 16:
+    if lib is None or not has_tiled_prefill(head_dim):
         return None
     tables = block_tables.to(torch.int32).contiguous()
     starts = cu_seqlens_q.to(torch.int32).contiguous()
@@ -275,10 +275,11 @@ def max_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
 LINEAR_DOT, LINEAR_AMX, LINEAR_INT4 = 0, 1, 2  # cpu_native.c's kernels for a projection
 
 
-def has_tiled_prefill() -> bool:
-    """The tiled prefill attention (AVX-512 only) is built here; elsewhere it declines."""
+def has_tiled_prefill(head_dim: int) -> bool:
+    """The tiled prefill attention (AVX-512 only, head sizes in whole vectors) is built here and takes
+    heads of `head_dim`; elsewhere it declines."""
     lib = library()
-    return lib is not None and lib.lanes == 16
+    return lib is not None and lib.lanes == 16 and head_dim % 16 == 0 and head_dim <= lib.max_head_dim
 
 
 def has_vector_kernels() -> bool:
@@ -586,6 +587,16 @@ class _Shape(ctypes.Structure):
     ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
 
 
+class _PrefillPart(ctypes.Structure):
+    _fields_ = [
+        ("starts", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int64),
+    ]
+
+
 class DecodeLayers:
     """A model's decoder layers run as one native call per decode step (`pagoda_decode_layers`): the
     kernels the layers run op by op, in their order, so the result is theirs bit for bit. The weights'
@@ -630,12 +641,15 @@ class DecodeLayers:
         cos: torch.Tensor,  # [rows, 1, head_dim]
         sin: torch.Tensor,
         slot_mapping: torch.Tensor,  # [rows] int64
-        block_tables: torch.Tensor,  # [rows, max_blocks] int32
-        context_lens: torch.Tensor,  # [rows] int32
+        block_tables: torch.Tensor,  # [decode rows, max_blocks] int32
+        context_lens: torch.Tensor,  # [decode rows] int32
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after every layer, as the layers' forward returns them; None where the
-        step is one these kernels do not take (the caller runs the layers)."""
+        step is one these kernels do not take (the caller runs the layers). `prefill`: (cu_seqlens_q,
+        context lengths, block tables) of the step's first rows, attended by the tiled prefill kernel
+        (`prefill_attention`); each row after them is a decode query of `block_tables`/`context_lens`."""
         rows = hidden.shape[0]
         kernels = self.kernels(rows)
         lib = library()
@@ -658,10 +672,15 @@ class DecodeLayers:
         lens = context_lens.to(torch.int32).contiguous()
         slots = slot_mapping.contiguous()
         residual = torch.empty_like(hidden)
+        part = None
+        if prefill is not None:
+            starts, prefill_lens, prefill_tables = (t.to(torch.int32).contiguous() for t in prefill)
+            part = _PrefillPart(starts.data_ptr(), prefill_lens.data_ptr(), prefill_tables.data_ptr(),
+                                prefill_tables.stride(0), prefill_lens.shape[0])  # fmt: skip
         status = lib.pagoda_decode_layers(
             ctypes.byref(self.structs), len(self.structs), ctypes.byref(shape), hidden.data_ptr(), residual.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            rows, torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), None if part is None else ctypes.byref(part),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, torch.get_num_threads(),
         )  # fmt: skip
         if status in (-2, -3):
             raise IndexError("a block table entry or slot is outside the KV cache")

@@ -41,6 +41,7 @@ def test_disabled_by_environment(tmp_path):
 
 
 # The instruction sets a tier's build needs from the CPU that runs it
+FUSED_LAYERS_TESTS = str(Path(__file__).parents[1] / "models" / "test_models_native_decode.py")
 TIER_FLAGS = {
     "skylake-avx512": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"},
     "x86-64-v3": {"avx2", "fma"},
@@ -51,9 +52,9 @@ TIER_FLAGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize(("march", "lanes"), [("skylake-avx512", 16), ("x86-64-v3", 8), ("x86-64", 0)])
 def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
-    """This file's tests again on the kernels built for an older x86 CPU than this one: AVX-512
-    without bf16 arithmetic (Skylake-SP), AVX2 + FMA (8 lanes), and baseline x86-64 (no vector
-    kernels: torch's ops where they are missing)."""
+    """This file's tests, and the fused decode layers against the layers op by op, again on the kernels
+    built for an older x86 CPU than this one: AVX-512 without bf16 arithmetic (Skylake-SP), AVX2 + FMA
+    (8 lanes), and baseline x86-64 (no vector kernels: torch's ops where they are missing)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if platform.machine() == "x86_64" else set()
     if platform.machine() != "x86_64" or not TIER_FLAGS[march] <= flags:
         pytest.skip(f"an x86 CPU with {sorted(TIER_FLAGS[march])} runs the {march} tier")
@@ -62,7 +63,7 @@ def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(lanes)
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__, FUSED_LAYERS_TESTS],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
@@ -79,7 +80,7 @@ def test_prefill_attention_matches_reference(dtype, group, block_size, head_dim,
     query = random_queries(int(cu_seqlens_q[-1]), 2 * group, head_dim, dtype, generator=generator)
     args = (query, cache.k_cache, cache.v_cache, cu_seqlens_q, cache.context_lens, cache.block_tables, head_dim**-0.5)
     out = cpu_native.prefill_attention(*args)
-    if not cpu_native.has_tiled_prefill():
+    if not cpu_native.has_tiled_prefill(head_dim):
         assert out is None
         return
     expected = TorchReferenceBackend().paged_prefill_attention(*args, None)

@@ -147,24 +147,27 @@ def _counting(monkeypatch, name: str) -> list[bool]:
     return calls
 
 
+@pytest.mark.parametrize("tiled_builds", [True, False], ids=["tiled-kernel", "no-tiled-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_short_prefills_go_token_by_token_and_long_ones_a_tile_at_a_time(
-    reference, generator, dtype, monkeypatch
-):
-    """Both sides of PER_TOKEN_PREFILL_CONTEXT match the reference; the per-token kernel takes the
-    short one, the tiled kernel (where it builds) the long one."""
+def test_which_kernel_attends_a_prefill(reference, generator, dtype, tiled_builds, monkeypatch):
+    """`CpuBackend.prefill_kernel`'s rule, each way matching the reference: where the tiled kernel
+    builds it takes short and long prefills; elsewhere a short one goes token by token, one past
+    PER_TOKEN_PREFILL_CONTEXT to flash."""
+    if not tiled_builds:
+        monkeypatch.setattr(cpu_native, "has_tiled_prefill", lambda head_dim: False)
+    tiled_builds = tiled_builds and cpu_native.has_tiled_prefill(32)
     per_token = _counting(monkeypatch, "paged_decode_attention")
     tiled = _counting(monkeypatch, "prefill_attention")
     limit = cpu_backend.PER_TOKEN_PREFILL_CONTEXT
-    for seqs, token_by_token in (([(limit, limit), (50, 20)], True), ([(limit + 1, 9), (30, 30)], False)):
+    for seqs, short in (([(limit, limit), (50, 20)], True), ([(limit + 1, 9), (30, 30)], False)):
         per_token.clear()
         tiled.clear()
         _check_prefill(CpuBackend(), reference, generator, seqs, group=3, block_size=16, dtype=dtype)
-        assert any(per_token) == (token_by_token and cpu_native.library() is not None)
-        assert any(tiled) == (not token_by_token and cpu_native.has_tiled_prefill())
+        assert tiled == ([True] if tiled_builds else [])
+        assert any(per_token) == (short and not tiled_builds and cpu_native.library() is not None)
 
 
-# Past the per-token limit: whole prompts (ending mid-block and on a tile's edge), a chunk after a
+# Past the per-token limit (flash, without the tiled kernel): whole prompts (ending mid-block and on a tile's edge), a chunk after a
 # cached prefix, one token after a long one; every tile shape of the group's heads.
 LONG = [(301, 301), (264, 264), (400, 133), (290, 1)]
 LONG_CASES = [(1, 16, 64), (3, 16, 64), (4, 8, 32), (2, 16, 80), (8, 8, 128)]
@@ -185,7 +188,8 @@ def test_long_prefills_tile_by_tile_match_reference(
     group, block_size, head_dim, dtype, reference, generator, monkeypatch
 ):
     shape = {"group": group, "block_size": block_size, "dtype": dtype, "head_dim": head_dim}
-    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [cpu_native.has_tiled_prefill()]
+    tiled = cpu_native.has_tiled_prefill(head_dim)
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [tiled]
 
 
 def test_long_prefills_with_a_sliding_window_go_to_flash(reference, generator, monkeypatch):

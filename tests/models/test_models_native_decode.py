@@ -1,7 +1,8 @@
 """Steps in one native call (`models/native_decode.py`) give the op-by-op layers' results bit for bit:
 every position's logits and every KV cache entry, over a schedule of prefill, mixed and decode steps,
 in fp32 and bf16, for each tiny family (qwen3's q/k norms run op by op), with dense and with 4-bit
-weights; prefills past the per-token attention's context run op by op."""
+weights; prefills through the tiled kernel or token by token (past the per-token attention's context
+they run op by op)."""
 
 from __future__ import annotations
 
@@ -34,24 +35,36 @@ def _run(model, sequences, native: bool):
     return run_schedule(harness, sequences), harness.kv_caches
 
 
-def _native_steps(model, per_token_context: int) -> int:
+def _native_steps(model, per_token_context: int | None) -> int:
     """Steps of SCHEDULE the native call takes: every projection has a native kernel at its rows, and its
-    prefills (if any) attend token by token."""
+    prefills (if any) go to the tiled kernel (`per_token_context` None) or token by token."""
     layers = model.model.native_decode._layers()
     count = 0
     for prefill_slices, decoding in SCHEDULE:
         rows = sum(part.stop - part.start for part in prefill_slices.values()) + len(decoding)
         longest = max((part.stop for part in prefill_slices.values()), default=0)  # chunks start at 0 or after one
-        count += layers is not None and layers.kernels(rows) is not None and longest <= per_token_context
+        attended = per_token_context is None or longest <= per_token_context
+        count += layers is not None and layers.kernels(rows) is not None and attended
     return count
 
 
-@pytest.mark.parametrize("per_token_context", [cpu_backend.PER_TOKEN_PREFILL_CONTEXT, 20])
+# How the prefills attend: the tiled kernel where it builds, or token by token (the kernel switched off)
+# up to the default context or up to 20.
+PREFILL_KERNELS = {"tiled": None, "per-token": cpu_backend.PER_TOKEN_PREFILL_CONTEXT, "per-token-to-20": 20}
+
+
+@pytest.mark.parametrize("prefill", list(PREFILL_KERNELS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, per_token_context, monkeypatch):
+def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, prefill, monkeypatch):
     family, path = tiny_family_dir
-    monkeypatch.setattr(cpu_backend, "PER_TOKEN_PREFILL_CONTEXT", per_token_context)
     model = load_model(path, dtype=dtype).model
+    per_token_context = PREFILL_KERNELS[prefill]
+    if per_token_context is None:
+        if not cpu_native.has_tiled_prefill(model.model.layers[0].self_attn.attn.head_dim):
+            pytest.skip("the tiled prefill kernel needs AVX-512 and heads in whole vectors")
+    else:
+        monkeypatch.setattr(cpu_native, "has_tiled_prefill", lambda head_dim: False)
+        monkeypatch.setattr(cpu_backend, "PER_TOKEN_PREFILL_CONTEXT", per_token_context)
     calls = []
     original = cpu_native.DecodeLayers.__call__
 
@@ -65,13 +78,14 @@ def test_native_decode_equals_the_layers_op_by_op(tiny_family_dir, dtype, per_to
     expected, expected_caches = _run(model, sequences, native=False)
     assert not calls
     actual, caches = _run(model, sequences, native=True)
-    # Qwen3's q/k norms are not a layer the native call takes. With the default context every step of
-    # the schedule (contexts <= 40) runs natively where this CPU has the dtype's kernels at its rows; at
-    # 20, the steps that prefill `c` (contexts 24 and 40) run op by op.
+    # Qwen3's q/k norms are not a layer the native call takes. Through the tiled kernel or token by token
+    # up to the default context, every step of the schedule (contexts <= 40) runs natively where this
+    # CPU has the dtype's kernels at its rows; token by token up to 20, the steps that prefill `c`
+    # (contexts 24 and 40) run op by op.
     native = 0 if family == "qwen3" else _native_steps(model, per_token_context)
     assert sum(calls) == native
     if family != "qwen3" and model.model.native_decode._layers().kernels(26) is not None:
-        assert native == (7 if per_token_context >= 40 else 5)
+        assert native == (5 if per_token_context == 20 else 7)
     for seq, chunks in expected.items():
         for (start, want), (got_start, got) in zip(chunks, actual[seq], strict=True):
             assert start == got_start and torch.equal(got, want), f"{family} {seq}@{start}"
@@ -92,6 +106,26 @@ def test_a_slot_outside_the_cache_is_an_index_error(tiny_llama_dir):
     with pytest.raises(IndexError):
         model(torch.tensor([5]), torch.tensor([3]), meta, harness.kv_caches)
     assert model.model.native_decode._layers() is not None  # the native call raised it, not the layers
+
+
+def test_a_prefill_block_outside_the_cache_is_an_index_error_before_anything_is_written(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, dtype="float32").model
+    if not cpu_native.has_tiled_prefill(model.model.layers[0].self_attn.attn.head_dim):
+        pytest.skip("the tiled prefill kernel needs AVX-512")
+    harness = PagedHarness(model, block_size=8, num_blocks=4, seed=0)
+    harness.step({"a": [1, 2, 3]}, {})
+    caches = [(k.clone(), v.clone()) for k, v in harness.kv_caches]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([8, 9], dtype=torch.int64),
+        num_prefill_tokens=2,
+        prefill_cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([2], dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[4]], dtype=torch.int32),  # one past the last block
+    )
+    with pytest.raises(IndexError):
+        model(torch.tensor([5, 6]), torch.tensor([0, 1]), meta, harness.kv_caches)
+    for (k, v), (k_before, v_before) in zip(harness.kv_caches, caches, strict=True):
+        assert torch.equal(k, k_before) and torch.equal(v, v_before)  # checked before the first layer stored
 
 
 def _quantize_to_int4(model) -> None:

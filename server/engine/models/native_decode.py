@@ -3,11 +3,12 @@
 A one-row decode step runs about 400 small ops through Python; each costs a few microseconds of
 dispatch, a fifth of the step on two cores. `cpu_native.DecodeLayers` runs the same kernels in the
 same order from C, so its result is the op-by-op one bit for bit (tests compare the two). It takes
-steps whose every token the CPU backend attends to as a decode query: decode tokens, and a short
-prefill (a prompt joining a batch of decodes, token by token: `CpuBackend.per_token_prefill`), on
-the native CPU attention backend, for layers without q/k norms, without tensor parallelism, at row
-counts where every projection runs on a native kernel (dense, or the 4-bit GGUF copy at few rows;
-not torch's GEMM or its low-bit kernels); anything else runs the layers as they are.
+steps whose every token the CPU backend attends natively: decode tokens, and a prefill (a prompt
+joining a batch of decodes) the way `CpuBackend.prefill_kernel` has it, through the tiled prefill
+kernel or token by token, on the native CPU attention backend, for layers without q/k norms, without
+tensor parallelism, at row counts where every projection runs on a native kernel (dense, or the 4-bit
+GGUF copy at few rows; not torch's GEMM or its low-bit kernels); anything else runs the layers as they
+are.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from pagoda.kernels import cpu_native
-from pagoda.kernels.cpu_backend import CpuBackend
+from pagoda.kernels.cpu_backend import PER_TOKEN, TILED, CpuBackend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
 from pagoda.server.engine.layers.linear import Linear
 
@@ -46,32 +47,45 @@ class NativeDecode:
         layers = self._layers()
         if layers is None:
             return None
-        attention = self._attention_rows(meta, hidden.shape[0])
+        attention = self._attention(meta, hidden.shape[0])
         if attention is None:
             return None
+        prefill, tables, lens = attention
         cos, sin = rope
-        return layers(hidden, cos, sin, meta.slot_mapping, *attention, kv_caches)
+        return layers(hidden, cos, sin, meta.slot_mapping, tables, lens, kv_caches, prefill)
 
-    def _attention_rows(self, meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(block tables, context lengths), one row per token of the step, where the backend attends to
-        every token as a decode query (decode tokens; a short prefill, token by token): else None."""
+    def _attention(self, meta: AttentionMetadata, rows: int):
+        """(prefill part for the tiled kernel or None, block tables, context lengths: one row per token
+        the decode kernel attends) where the backend attends every token of the step natively, the same
+        way in every layer; else None."""
+        prefill = None
         parts = []
         if meta.num_prefill_tokens:
-            per_token = self._attentions[0].backend.per_token_prefill(
-                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, meta.prefill_block_tables, meta.step_cache
-            )
-            if per_token is None:
+            attn = self._attentions[0]
+            kernels = {
+                attn.backend.prefill_kernel(meta.prefill_context_lens, attn.head_dim, window, meta.step_cache)
+                for window in {a.sliding_window for a in self._attentions}
+            }
+            part = (meta.prefill_cu_seqlens_q, meta.prefill_context_lens, meta.prefill_block_tables)
+            if kernels == {TILED}:
+                prefill = part
+            elif kernels == {PER_TOKEN}:
+                parts.append(attn.backend.per_token_rows(*part, meta.step_cache))
+            else:
                 return None
-            parts.append(per_token)
         if meta.decode_context_lens is not None:
             parts.append((meta.decode_block_tables, meta.decode_context_lens))
-        if sum(lens.shape[0] for _, lens in parts) != rows:  # padding rows: the layers' business
+        attended = sum(lens.shape[0] for _, lens in parts) + (meta.num_prefill_tokens if prefill else 0)
+        if attended != rows:  # padding rows: the layers' business
             return None
+        if not parts:  # a prefill-only step
+            empty = meta.prefill_block_tables[:0]
+            return prefill, empty, meta.prefill_context_lens[:0]
         if len(parts) == 1:
-            return parts[0]
+            return (prefill, *parts[0])
         width = max(tables.shape[1] for tables, _ in parts)  # entries past a context are never read
         tables = torch.cat([F.pad(tables, (0, width - tables.shape[1])) for tables, _ in parts])
-        return tables, torch.cat([lens for _, lens in parts])
+        return prefill, tables, torch.cat([lens for _, lens in parts])
 
     def _layers(self) -> cpu_native.DecodeLayers | None:
         """Built once per attention backend, set of low-bit weights and weight storage (tests swap the
