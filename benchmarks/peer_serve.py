@@ -21,7 +21,7 @@ throughput counts the tokens each server reports): the main one (32 requests, pr
 same shape at concurrency 1 (8 requests) and 64 (64 requests), and one request of 128 tokens at a time
 (ms per output token; three runs of two requests, the median counts). Prints markdown tables with ratios, and each dense pagoda row's
 one stream against the weight-read floor (the model's weight bytes over a 1 GiB `sum`'s bandwidth,
-read just before and after that stream: a shared host's bandwidth moves by half within minutes), and
+read just before and after each of its runs: a shared host's bandwidth moves by half within minutes), and
 the CPU seconds the client and the server's event loop took in a main run (on a host whose cores the
 engine fills, that CPU is much of what HTTP costs: `http_cost.py` splits the rest); --out writes
 JSON + markdown.
@@ -234,9 +234,10 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
         target = Target(base, server.model, ignore_eos=server.ignore_eos)
         asyncio.run(warm_up(target))
         for workload in WORKLOADS:
-            # a dense row's one stream is set against the floor at the bandwidth of that moment
+            # a dense row's one stream is set against the floor at the bandwidth of that moment: each
+            # run between two reads of it
             around_floor = workload is WORKLOADS[3] and server.weight_bytes > 0
-            before = dram_read_gbps() if around_floor else None
+            reads = [dram_read_gbps()] if around_floor else []
             runs = []
             for run in range(workload.runs):
                 cpu_before = cpu_seconds(process.pid)
@@ -251,11 +252,16 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
                 )
                 cpu_used = {key: now - cpu_before[key] for key, now in cpu_seconds(process.pid).items()}
                 runs.append({**summarize(results, duration), **cpu_used})
+                if around_floor:
+                    reads.append(dram_read_gbps())
+                    runs[-1]["dram_read_gbps"] = reads[-2:]
                 if after_main_run is not None and workload is WORKLOADS[0]:
                     after_main_run(run)
             server.results[workload.name] = median_run(runs, "output_throughput")
             if around_floor:
-                server.results[workload.name]["dram_read_gbps"] = [before, dram_read_gbps()]
+                server.results[workload.name]["runs_tpot_and_dram"] = [
+                    (r["mean_tpot_ms"], r["dram_read_gbps"]) for r in runs
+                ]
             print(
                 f"  {server.label:34s} {workload.name:18s} {_line(server.results[workload.name])}", flush=True
             )
@@ -317,22 +323,28 @@ def weights_per_token(folder: Path) -> int:
 
 
 def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> list[str]:
-    """One stream of each dense pagoda row against the weight-read floor at the higher of the
-    bandwidths read just before and after it."""
+    """One stream of each dense pagoda row against the weight-read floor, run by run: each run's time
+    per token over the floor at the higher of the bandwidths read just before and after it; the
+    median of those ratios counts."""
     params = weights_per_token(folder)
     lines = ["", f"DRAM read (1 GiB `sum`, start / end of the run): {' / '.join(f'{b:.1f}' for b in bandwidths)} GB/s"]
     for server in found:
         single = server.results.get(WORKLOADS[3].name)
         if not server.weight_bytes or not single:
             continue
-        around = single.get("dram_read_gbps") or bandwidths
-        gbps = max(around)
-        floor_ms = params * server.weight_bytes / (gbps * 1e9) * 1e3
-        ratio = single["mean_tpot_ms"] / floor_ms
+        runs = single.get("runs_tpot_and_dram") or [(single["mean_tpot_ms"], bandwidths)]
+        ratios = []
+        for tpot_ms, around in runs:
+            floor_ms = params * server.weight_bytes / (max(around) * 1e9) * 1e3
+            ratios.append(tpot_ms / floor_ms)
+        cells = ", ".join(
+            f"{tpot:.1f} ms at {'/'.join(f'{b:.0f}' for b in around)} GB/s = {r:.2f}x"
+            for (tpot, around), r in zip(runs, ratios, strict=True)
+        )
         lines.append(
-            f"{server.label}, 1 stream: {single['mean_tpot_ms']:.1f} ms/token = {ratio:.2f}x the weight-read "
-            f"floor ({params / 1e6:.0f}M weights at {gbps:.1f} GB/s: {floor_ms:.1f} ms; DRAM read "
-            f"{' / '.join(f'{b:.1f}' for b in around)} GB/s just before / after)"
+            f"{server.label}, 1 stream: {sorted(ratios)[len(ratios) // 2]:.2f}x the weight-read floor, median of "
+            f"its runs ({params / 1e6:.0f}M weights; each run against the DRAM read just before / after it: "
+            f"{cells})"
         )
     return lines
 
