@@ -1,8 +1,8 @@
 """The CPU attention backend: decode through the native kernel (`cpu_native.c`) where it builds, else one
 fused attention call per layer and length group, in the model dtype. Prefill goes through the native
-tiled kernel (a tile of tokens per K/V read; AVX-512, no sliding window); elsewhere a short one (a
-prompt or two joining a batch of decodes) through the decode kernel, each new token as a decode query
-that sees its sequence up to itself, and a long one through torch's flash attention, a call a sequence.
+tiled kernel (a tile of tokens per K/V read; AVX-512); elsewhere a short one (a prompt or two joining
+a batch of decodes) through the decode kernel, each new token as a decode query that sees its
+sequence up to itself, and a long one through torch's flash attention, a call a sequence.
 `prefill_kernel` is that rule, for this backend and the fused native decode layers.
 
 The reference (`reference.py`) spells attention out op by op in fp32, per KV head; it stays the oracle.
@@ -31,7 +31,7 @@ from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 # How the native kernels attend a prefill part (`CpuBackend.prefill_kernel`). The tiled kernel
 # (`cpu_native.prefill_attention`) reads a context once a tile of queries: at 512-2,047 tokens 2.1-3.3x
 # flash in bf16, 1.6-2.1x in fp32, and 1.3-2.2x the per-token kernel from 32 new tokens (level below;
-# Zen 5, 2 cores). Without it (AVX2, a sliding window), prefills whose sequences are all at most
+# Zen 5, 2 cores). Without it (AVX2), prefills whose sequences are all at most
 # PER_TOKEN_PREFILL_CONTEXT long attend token by token in the decode kernel, one call for all of them:
 # as fast as flash for one prompt of up to 256 tokens, 1.3-1.9x for several (flash costs a call a
 # sequence); longer ones go to flash (a 64-token chunk after 448 cached: 1.5-1.7x the per-token kernel).
@@ -144,12 +144,12 @@ class CpuBackend(TorchReferenceBackend):
             out[group.rows] = attended
         return out
 
-    def prefill_kernel(self, context_lens, head_dim, sliding_window, step_cache=None) -> str | None:
+    def prefill_kernel(self, context_lens, head_dim, step_cache=None) -> str | None:
         """TILED or PER_TOKEN: the native kernel that attends a prefill part with these contexts; None:
         torch's flash attention. The one rule for this backend and the fused native decode layers."""
         if not (self.native and context_lens.device.type == "cpu"):
             return None
-        if sliding_window is None and cpu_native.has_tiled_prefill(head_dim):
+        if cpu_native.has_tiled_prefill(head_dim):
             return TILED
         if step_cache is not None and "cpu_prefill_short" in step_cache:
             short = step_cache["cpu_prefill_short"]
@@ -173,10 +173,10 @@ class CpuBackend(TorchReferenceBackend):
         self, query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window=None,
         step_cache=None,
     ):  # fmt: skip
-        kernel = self.prefill_kernel(context_lens, query.shape[-1], sliding_window, step_cache)
+        kernel = self.prefill_kernel(context_lens, query.shape[-1], step_cache)
         if kernel == TILED:  # a tile of tokens per K/V row read
             out = cpu_native.prefill_attention(
-                query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+                query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window
             )
             if out is not None:
                 return out

@@ -625,8 +625,16 @@ struct prefill_task {
     int64_t q_token_stride, q_head_stride, kv_offset, token_stride;
     int first_token, first_pos, tokens; /* the tile: q's row of its first token, that token's position, how many */
     int kv_head, group, num_heads, head_dim, block_size;
+    int window; /* 0: none; else a token at position p sees the keys at p - window + 1 .. p */
     float scale;
 };
+
+/* Lanes lo..hi - 1 of 16 (clamped; none where hi <= lo). */
+static inline __mmask16 lanes_between(int lo, int hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
 
 /* The scores of one row against a chunk's keys (lanes), from the keys transposed: kt[d] holds dim d
  * of the 16 keys (bf16 pairs: kt[d] holds dims 2d, 2d + 1 as stored, for one dot-product instruction). */
@@ -682,7 +690,8 @@ INLINE void prefill_tile_shaped(const struct prefill_task *a, const int dtype, c
         row_sum[r] = _mm512_setzero_ps();
     }
     const int end = a->first_pos + a->tokens; /* keys the tile's last token sees */
-    for (int t = 0; t < end;) {
+    const int start = a->window > 0 && a->first_pos - a->window + 1 > 0 ? a->first_pos - a->window + 1 : 0;
+    for (int t = start; t < end;) {
         const int block = t / a->block_size, in_block = t % a->block_size;
         int n = a->block_size - in_block;
         if (n > 16) n = 16;
@@ -705,13 +714,13 @@ INLINE void prefill_tile_shaped(const struct prefill_task *a, const int dtype, c
             for (int c = 0; c < vecs; c++)
                 vf[j][c] = load16(a->v_cache, base + (int64_t)j * a->token_stride + 16 * c, 0xffff, dtype);
         for (int r = 0; r < rows; r++) {
-            const int seen = a->first_pos + r / group - t + 1; /* keys of the chunk this row sees */
-            if (seen <= 0) {
+            const int pos = a->first_pos + r / group; /* the row sees the chunk's keys up to its own, in its window */
+            const int last = pos - t + 1 < n ? pos - t + 1 : n;
+            const __mmask16 mask = lanes_between(a->window > 0 ? pos - a->window + 1 - t : 0, last);
+            if (!mask) {
                 _mm512_storeu_ps(probs[r], _mm512_setzero_ps());
                 continue;
             }
-            const int visible = seen < n ? seen : n;
-            const __mmask16 mask = visible >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << visible) - 1);
             const __m512 s = prefill_scores(kt, qf[r], qpairs[r], in_pairs, head_dim, a->scale);
             const float chunk_max = _mm512_mask_reduce_max_ps(mask, s);
             if (chunk_max > row_max[r]) { /* rescale what was summed under the old maximum */
@@ -781,7 +790,7 @@ int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_he
                              const void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                              const int32_t *seq_starts, const int32_t *context_lens, void *out, int num_seqs,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                             float scale, int dtype, int num_threads) {
+                             float scale, int sliding_window, int dtype, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int refused = prefill_refuses(block_tables, block_table_stride, seq_starts, context_lens, num_seqs, num_heads,
                                         num_kv_heads, head_dim, block_size, num_blocks);
@@ -809,7 +818,7 @@ int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_he
             .first_token = first, .first_pos = context_lens[seq] - new_tokens + (first - seq_starts[seq]),
             .tokens = left < PREFILL_TILE ? left : PREFILL_TILE,
             .kv_head = kv_head, .group = group, .num_heads = num_heads, .head_dim = head_dim,
-            .block_size = block_size, .scale = scale,
+            .block_size = block_size, .window = sliding_window > 0 ? sliding_window : 0, .scale = scale,
         };
         if (dtype == DTYPE_BF16) prefill_tile(&a, DTYPE_BF16); else prefill_tile(&a, DTYPE_F32);
     }
@@ -821,7 +830,7 @@ int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_he
                              const void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                              const int32_t *seq_starts, const int32_t *context_lens, void *out, int num_seqs,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, int num_blocks,
-                             float scale, int dtype, int num_threads) {
+                             float scale, int sliding_window, int dtype, int num_threads) {
     return -1; /* the AVX-512 kernel only: elsewhere torch's flash attention */
 }
 
@@ -2069,8 +2078,6 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
     const int prefill_rows = prefill_seqs ? prefill->starts[prefill_seqs] : 0;
     if (prefill_seqs) {
         if (prefill->starts[0] != 0 || prefill_rows > rows) return -1;
-        for (int l = 0; l < num_layers; l++)
-            if (layers[l].sliding_window) return -1; /* the tiled kernel attends whole contexts */
         const int refused = prefill_refuses(prefill->block_tables, prefill->block_table_stride, prefill->starts,
                                             prefill->context_lens, prefill_seqs, s->num_heads, s->num_kv_heads, hd,
                                             s->block_size, s->num_blocks);
@@ -2109,7 +2116,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
             attended = pagoda_prefill_attention(qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, prefill->block_tables,
                                                 prefill->block_table_stride, prefill->starts, prefill->context_lens,
                                                 attended_or_act, prefill_seqs, s->num_heads, s->num_kv_heads, hd,
-                                                s->block_size, s->num_blocks, s->scale, dtype, num_threads);
+                                                s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype,
+                                                num_threads);
         if (!attended && rows > prefill_rows)
             attended = pagoda_paged_decode_attention(
                 (const char *)qkv_or_gate_up + (size_t)prefill_rows * qkv_size * elem, qkv_size, hd, L->k_cache,

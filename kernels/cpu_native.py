@@ -104,7 +104,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("pagoda_linear_bf16", "pagoda_linear_bf16_amx", "pagoda_linear_f32", "pagoda_linear_f32_bf16w"):
         getattr(lib, name).argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.pagoda_prefill_attention.argtypes = [
-        p, i64, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32
+        p, i64, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32
     ]
     lib.pagoda_rms_norm.argtypes = [p, p, p, p, p, i32, i32, f32, i32, i32]
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
@@ -208,9 +208,10 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs]: cached + new tokens
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of new tokens to their sequences' caches, tiles of tokens at a time (the
-    AVX-512 kernel); None where it does not run (no sliding windows: the caller checks)."""
+    AVX-512 kernel); None where it does not run."""
     num_heads, head_dim = query.shape[1:]
     lib = _attention_library(query, k_cache, v_cache)
     if lib is None or not has_tiled_prefill(head_dim):
@@ -222,8 +223,8 @@ def prefill_attention(
     status = lib.pagoda_prefill_attention(
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0],
-        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], k_cache.shape[0], scale, DTYPES[query.dtype],
-        torch.get_num_threads(),
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], k_cache.shape[0], scale, sliding_window or 0,
+        DTYPES[query.dtype], torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         raise IndexError("a block table entry is outside the KV cache")

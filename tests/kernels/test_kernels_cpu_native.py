@@ -70,20 +70,23 @@ def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("group", "block_size", "head_dim"), [(3, 16, 64), (4, 8, 128), (2, 16, 48)])
-def test_prefill_attention_matches_reference(dtype, group, block_size, head_dim, generator):
-    """Whole prompts and chunks after a cached prefix, a tile of tokens at a time (AVX-512 builds;
-    elsewhere the kernel declines and the backend runs torch's flash attention)."""
+@pytest.mark.parametrize(
+    ("group", "block_size", "head_dim", "window"), [(3, 16, 64, None), (4, 8, 128, None), (2, 16, 48, None), (3, 8, 64, 21)]
+)
+def test_prefill_attention_matches_reference(dtype, group, block_size, head_dim, window, generator):
+    """Whole prompts and chunks after a cached prefix, a tile of tokens at a time, with and without a
+    sliding window (AVX-512 builds; elsewhere the kernel declines and the backend runs torch's flash
+    attention)."""
     seqs = [(70, 70), (300, 45), (33, 1), (129, 128)]  # (context, new tokens)
     cache = make_paged_kv([c for c, _ in seqs], 2, head_dim, block_size, dtype, poison=1e4, generator=generator)
     cu_seqlens_q = F.pad(torch.tensor([n for _, n in seqs]).cumsum(0), (1, 0)).to(torch.int32)
     query = random_queries(int(cu_seqlens_q[-1]), 2 * group, head_dim, dtype, generator=generator)
     args = (query, cache.k_cache, cache.v_cache, cu_seqlens_q, cache.context_lens, cache.block_tables, head_dim**-0.5)
-    out = cpu_native.prefill_attention(*args)
+    out = cpu_native.prefill_attention(*args, window)
     if not cpu_native.has_tiled_prefill(head_dim):
         assert out is None
         return
-    expected = TorchReferenceBackend().paged_prefill_attention(*args, None)
+    expected = TorchReferenceBackend().paged_prefill_attention(*args, window)
     assert out.dtype == dtype and relative_error(out, expected) <= tolerance(dtype)
 
 

@@ -192,7 +192,9 @@ def test_long_prefills_tile_by_tile_match_reference(
     assert _tiled_calls(reference, generator, monkeypatch, **shape) == [tiled]
 
 
-def test_long_prefills_with_a_sliding_window_go_to_flash(reference, generator, monkeypatch):
-    """The tiled kernel has no window: flash attention takes those (and matches the reference)."""
-    shape = {"group": 3, "block_size": 16, "dtype": torch.float32, "sliding_window": 100}
-    assert _tiled_calls(reference, generator, monkeypatch, **shape) == []
+@pytest.mark.parametrize("window", [1, 7, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefills_with_a_sliding_window_tile_by_tile(window, dtype, reference, generator, monkeypatch):
+    """Windows narrower than a tile, than a chunk of keys, and wider: each row sees its own window."""
+    shape = {"group": 3, "block_size": 16, "dtype": dtype, "sliding_window": window}
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [cpu_native.has_tiled_prefill(32)]

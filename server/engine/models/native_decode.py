@@ -56,20 +56,17 @@ class NativeDecode:
 
     def _attention(self, meta: AttentionMetadata, rows: int):
         """(prefill part for the tiled kernel or None, block tables, context lengths: one row per token
-        the decode kernel attends) where the backend attends every token of the step natively, the same
-        way in every layer; else None."""
+        the decode kernel attends) where the backend attends every token of the step natively; else
+        None."""
         prefill = None
         parts = []
         if meta.num_prefill_tokens:
             attn = self._attentions[0]
-            kernels = {
-                attn.backend.prefill_kernel(meta.prefill_context_lens, attn.head_dim, window, meta.step_cache)
-                for window in {a.sliding_window for a in self._attentions}
-            }
+            kernel = attn.backend.prefill_kernel(meta.prefill_context_lens, attn.head_dim, meta.step_cache)
             part = (meta.prefill_cu_seqlens_q, meta.prefill_context_lens, meta.prefill_block_tables)
-            if kernels == {TILED}:
+            if kernel == TILED:
                 prefill = part
-            elif kernels == {PER_TOKEN}:
+            elif kernel == PER_TOKEN:
                 parts.append(attn.backend.per_token_rows(*part, meta.step_cache))
             else:
                 return None
