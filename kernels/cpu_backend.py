@@ -31,7 +31,7 @@ from pagoda.kernels.reference import TorchReferenceBackend, length_groups
 # How the native kernels attend a prefill part (`CpuBackend.prefill_kernel`). The tiled kernel
 # (`cpu_native.prefill_attention`) reads a context once a tile of queries: at 512-2,047 tokens 2.1-3.3x
 # flash in bf16, 1.6-2.1x in fp32, and 1.3-2.2x the per-token kernel from 32 new tokens (level below;
-# Zen 5, 2 cores). Without it (AVX2), prefills whose sequences are all at most
+# Zen 5, 2 cores). Without it (AVX2; heads not in whole vectors), prefills whose sequences are all at most
 # PER_TOKEN_PREFILL_CONTEXT long attend token by token in the decode kernel, one call for all of them:
 # as fast as flash for one prompt of up to 256 tokens, 1.3-1.9x for several (flash costs a call a
 # sequence); longer ones go to flash (a 64-token chunk after 448 cached: 1.5-1.7x the per-token kernel).

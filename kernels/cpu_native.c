@@ -2083,6 +2083,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
                                             s->block_size, s->num_blocks);
         if (refused) return refused;
     }
+    if (!blocks_exist(block_tables, block_table_stride, context_lens, rows - prefill_rows, s->block_size, s->num_blocks))
+        return -2;
     const size_t wide = (size_t)(qkv_size > 2 * s->intermediate ? qkv_size : 2 * s->intermediate);
     const size_t narrow = (size_t)(q_size > s->intermediate ? q_size : s->intermediate);
     char *scratch = malloc((size_t)rows * ((s->hidden + wide + narrow) * elem + 2 * hd * sizeof(float)));

@@ -54,7 +54,9 @@ class NativeDecode:
         cos, sin = rope
         return layers(hidden, cos, sin, meta.slot_mapping, tables, lens, kv_caches, prefill)
 
-    def _attention(self, meta: AttentionMetadata, rows: int):
+    def _attention(
+        self, meta: AttentionMetadata, rows: int
+    ) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor, torch.Tensor] | None:
         """(prefill part for the tiled kernel or None, block tables, context lengths: one row per token
         the decode kernel attends) where the backend attends every token of the step natively; else
         None."""
@@ -72,8 +74,8 @@ class NativeDecode:
                 return None
         if meta.decode_context_lens is not None:
             parts.append((meta.decode_block_tables, meta.decode_context_lens))
-        attended = sum(lens.shape[0] for _, lens in parts) + (meta.num_prefill_tokens if prefill else 0)
-        if attended != rows:  # padding rows: the layers' business
+        tiled_rows = meta.num_prefill_tokens if prefill is not None else 0
+        if tiled_rows + sum(lens.shape[0] for _, lens in parts) != rows:  # padding rows: the layers' business
             return None
         if not parts:  # a prefill-only step
             empty = meta.prefill_block_tables[:0]
