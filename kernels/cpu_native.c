@@ -796,7 +796,8 @@ int pagoda_prefill_attention(const void *q, int64_t q_token_stride, int64_t q_he
                                         num_kv_heads, head_dim, block_size, num_blocks);
     if (refused) return refused;
     int tiles = 0;
-    for (int seq = 0; seq < num_seqs; seq++) tiles += (seq_starts[seq + 1] - seq_starts[seq] + PREFILL_TILE - 1) / PREFILL_TILE;
+    for (int seq = 0; seq < num_seqs; seq++)
+        tiles += (seq_starts[seq + 1] - seq_starts[seq] + PREFILL_TILE - 1) / PREFILL_TILE;
     int *tile_seq = malloc((size_t)(tiles > 0 ? tiles : 1) * 2 * sizeof(int)), *tile_first = tile_seq + tiles;
     if (!tile_seq) return -1;
     for (int seq = 0, at = 0; seq < num_seqs; seq++)
@@ -2083,7 +2084,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
                                             s->block_size, s->num_blocks);
         if (refused) return refused;
     }
-    if (!blocks_exist(block_tables, block_table_stride, context_lens, rows - prefill_rows, s->block_size, s->num_blocks))
+    const int decode_rows = rows - prefill_rows;
+    if (!blocks_exist(block_tables, block_table_stride, context_lens, decode_rows, s->block_size, s->num_blocks))
         return -2;
     const size_t wide = (size_t)(qkv_size > 2 * s->intermediate ? qkv_size : 2 * s->intermediate);
     const size_t narrow = (size_t)(q_size > s->intermediate ? q_size : s->intermediate);
@@ -2114,18 +2116,18 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
         const char *k = (const char *)qkv_or_gate_up + (size_t)q_size * elem, *v = k + (size_t)kv_size * elem;
         pagoda_store_kv(k, qkv_size, v, qkv_size, L->k_cache, L->v_cache, slots, rows, kv_size, num_slots, dtype);
         int attended = 0;
+        const int window = (int)L->sliding_window;
         if (prefill_rows)
-            attended = pagoda_prefill_attention(qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, prefill->block_tables,
-                                                prefill->block_table_stride, prefill->starts, prefill->context_lens,
-                                                attended_or_act, prefill_seqs, s->num_heads, s->num_kv_heads, hd,
-                                                s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype,
-                                                num_threads);
-        if (!attended && rows > prefill_rows)
+            attended = pagoda_prefill_attention(
+                qkv_or_gate_up, qkv_size, hd, L->k_cache, L->v_cache, prefill->block_tables,
+                prefill->block_table_stride, prefill->starts, prefill->context_lens, attended_or_act, prefill_seqs,
+                s->num_heads, s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, window, dtype, num_threads);
+        if (!attended && decode_rows)
             attended = pagoda_paged_decode_attention(
                 (const char *)qkv_or_gate_up + (size_t)prefill_rows * qkv_size * elem, qkv_size, hd, L->k_cache,
                 L->v_cache, block_tables, block_table_stride, context_lens,
-                (char *)attended_or_act + (size_t)prefill_rows * q_size * elem, rows - prefill_rows, s->num_heads,
-                s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, (int)L->sliding_window, dtype, num_threads);
+                (char *)attended_or_act + (size_t)prefill_rows * q_size * elem, decode_rows, s->num_heads,
+                s->num_kv_heads, hd, s->block_size, s->num_blocks, s->scale, window, dtype, num_threads);
         if (attended) {
             status = attended;
             break;

@@ -63,16 +63,18 @@ def test_every_instruction_set_tier_matches_torch(march, lanes, tmp_path):
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(lanes)
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__, FUSED_LAYERS_TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__,
+         FUSED_LAYERS_TESTS],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
 
 
+PREFILL_SHAPES = [(3, 16, 64, None), (4, 8, 128, None), (2, 16, 48, None), (3, 8, 64, 21)]  # group, block, head, window
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("group", "block_size", "head_dim", "window"), [(3, 16, 64, None), (4, 8, 128, None), (2, 16, 48, None), (3, 8, 64, 21)]
-)
+@pytest.mark.parametrize(("group", "block_size", "head_dim", "window"), PREFILL_SHAPES)
 def test_prefill_attention_matches_reference(dtype, group, block_size, head_dim, window, generator):
     """Whole prompts and chunks after a cached prefix, a tile of tokens at a time, with and without a
     sliding window (AVX-512 builds; elsewhere the kernel declines and the backend runs torch's flash

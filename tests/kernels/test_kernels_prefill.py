@@ -167,8 +167,9 @@ def test_which_kernel_attends_a_prefill(reference, generator, dtype, tiled_build
         assert any(per_token) == (short and not tiled_builds and cpu_native.library() is not None)
 
 
-# Past the per-token limit (flash, without the tiled kernel): whole prompts (ending mid-block and on a tile's edge), a chunk after a
-# cached prefix, one token after a long one; every tile shape of the group's heads.
+# Past the per-token limit (flash, without the tiled kernel): whole prompts (ending mid-block and on a
+# tile's edge), a chunk after a cached prefix, one token after a long one; every tile shape of the
+# group's heads.
 LONG = [(301, 301), (264, 264), (400, 133), (290, 1)]
 LONG_CASES = [(1, 16, 64), (3, 16, 64), (4, 8, 32), (2, 16, 80), (8, 8, 128)]
 
