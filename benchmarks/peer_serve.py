@@ -254,13 +254,12 @@ def run_server(server: Server, out: Path, after_main_run: Callable[[int], None] 
                 runs.append({**summarize(results, duration), **cpu_used})
                 if around_floor:
                     reads.append(dram_read_gbps())
-                    runs[-1]["dram_read_gbps"] = reads[-2:]
                 if after_main_run is not None and workload is WORKLOADS[0]:
                     after_main_run(run)
             server.results[workload.name] = median_run(runs, "output_throughput")
             if around_floor:
                 server.results[workload.name]["runs_tpot_and_dram"] = [
-                    (r["mean_tpot_ms"], r["dram_read_gbps"]) for r in runs
+                    (r["mean_tpot_ms"], reads[i : i + 2]) for i, r in enumerate(runs)
                 ]
             print(
                 f"  {server.label:34s} {workload.name:18s} {_line(server.results[workload.name])}", flush=True
@@ -332,7 +331,7 @@ def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> l
         single = server.results.get(WORKLOADS[3].name)
         if not server.weight_bytes or not single:
             continue
-        runs = single.get("runs_tpot_and_dram") or [(single["mean_tpot_ms"], bandwidths)]
+        runs = single["runs_tpot_and_dram"]  # every dense row's one stream has them (`run_server`)
         ratios = []
         for tpot_ms, around in runs:
             floor_ms = params * server.weight_bytes / (max(around) * 1e9) * 1e3
