@@ -1,4 +1,4 @@
-"""What bf16 and the GGUF's low-bit weights cost in accuracy, on 100 prompts of the embedded SmolLM2.
+"""What bf16 and low-bit weights cost in accuracy, on 100 prompts of the embedded SmolLM2.
 
     .venv/bin/python benchmarks/accuracy.py [--prompts 100] [--tokens 32]   # ~10 min here
 
@@ -7,6 +7,9 @@ Greedy continuations of each prompt from:
 - pagoda bf16 on the dequantized weights (`--quantization none`);
 - pagoda bf16 with the GGUF's low-bit weights (the default on this CPU), one prompt at a time so every
   decode step has one row and takes the low-bit path;
+- pagoda bf16 with 4-bit copies made at load from the dense weights (`--quantization int4`, as an HF
+  folder gets them), one prompt at a time. These weights came from a Q4_1 file whose blocks are the
+  same groups of 32: the 4-bit grid fits them closer than it fits weights trained in bf16;
 - transformers bf16 (`generate`, eager) on the same (dequantized) weights.
 For each pair: the share of prompts whose continuation is identical, the mean number of tokens before
 the first difference, and the mean |difference| of the chosen tokens' logprobs where both agree.
@@ -112,6 +115,7 @@ def main() -> None:
         "pagoda fp32": pagoda_runs(texts, args.tokens, "float32", "none", one_at_a_time=False),
         "pagoda bf16": pagoda_runs(texts, args.tokens, "bfloat16", "none", one_at_a_time=False),
         "pagoda bf16 + GGUF low-bit": pagoda_runs(texts, args.tokens, "bfloat16", "gguf", one_at_a_time=True),
+        "pagoda bf16 + int4": pagoda_runs(texts, args.tokens, "bfloat16", "int4", one_at_a_time=True),
     }
     runs["transformers bf16"] = transformers_runs([ids for ids, _, _ in runs["pagoda fp32"]], args.tokens)
     pairs = [
@@ -120,6 +124,8 @@ def main() -> None:
         ("pagoda bf16", "transformers bf16"),
         ("pagoda bf16 + GGUF low-bit", "pagoda bf16"),
         ("pagoda bf16 + GGUF low-bit", "pagoda fp32"),
+        ("pagoda bf16 + int4", "pagoda bf16"),
+        ("pagoda bf16 + int4", "pagoda bf16 + GGUF low-bit"),
     ]
     table = {f"{a} vs {b}": compare(runs[a], runs[b]) for a, b in pairs}
     print(f"{args.prompts} prompts x {args.tokens} greedy tokens")

@@ -7,7 +7,8 @@ Servers (same model: the embedded SmolLM2-135M-Instruct; the HF folders are writ
 so every server reads the same weights): an fp32 checkpoint (the GGUF's values), and the same weights
 rounded to bf16 saved in bf16 (as SmolLM2's published checkpoint is), which the fp32 rows serve too:
 - `pagoda serve` with no flags (the GGUF: bf16 on CPUs with native bf16, its Q4/Q8 weights for
-  few-row steps), and `pagoda serve --model <HF folder> --dtype D` for each dtype D;
+  few-row steps), `pagoda serve --model <HF folder> --dtype D` for each dtype D, and the bf16 folder
+  with `--quantization int4` (4-bit copies made at load, set against llama.cpp and transformers bf16);
 - `transformers serve --continuous-batching --dtype D` on the HF folder;
 - llama.cpp's OpenAI server (llama-cpp-python) on the GGUF, with as many threads as cores (its own
   default here is half the cores; it serves one request at a time);
@@ -55,6 +56,7 @@ from support.prometheus import free_port  # noqa: E402
 
 PEERS = ROOT / "benchmarks" / ".peers"
 GGUF_DEFAULTS = "pagoda (GGUF, defaults)"
+HF_INT4 = "pagoda (bf16 checkpoint, int4)"  # the HF folder's own 4-bit copies, against llama.cpp too
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,14 @@ def servers(dtypes: list[str], folder: Path, bf16_folder: Path, cores: int) -> l
             "smollm2",
         ),
     ]
+    if "bfloat16" in dtypes:
+        found.append(
+            Server(
+                HF_INT4,
+                [*pagoda, "--model", str(bf16_folder), "--dtype", "bfloat16", "--quantization", "int4"],
+                bf16_folder.name,
+            )
+        )
     rows = [(dtype, folder, "") for dtype in dtypes]
     if "float32" in dtypes:  # fp32 on a checkpoint of bf16 values: pagoda keeps them in bf16
         rows.append(("float32", bf16_folder, ", bf16 checkpoint"))
@@ -368,12 +378,13 @@ def markdown(found: list[Server], offline: dict | None) -> str:
         "| ratio | " + " | ".join(w.name for w in WORKLOADS[:3]) + " | ms/token (lower is better) |",
     ]
     lines.append("|---" * 5 + "|")
-    pairs = [(GGUF_DEFAULTS, s.label) for s in found if s.label.startswith("llama.cpp")]
+    pairs = [(ours, s.label) for ours in (GGUF_DEFAULTS, HF_INT4) for s in found if s.label.startswith("llama.cpp")]
     pairs += [
         (s.label, s.label.replace("pagoda", "transformers serve CB"))
         for s in found
-        if s.label.startswith("pagoda (") and "GGUF" not in s.label
+        if s.label.startswith("pagoda (") and s.label not in (GGUF_DEFAULTS, HF_INT4)
     ]
+    pairs.append((HF_INT4, "transformers serve CB (bfloat16)"))
     for ours, peer in pairs:
         if ours not in by_label or peer not in by_label:
             continue

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields
 
 ENV_PREFIX = "PAGODA_"
+QUANTIZATIONS = ("auto", "none", "gguf", "int4")  # what each means: --quantization's help
 
 _UNITS = {
     "": 1,
@@ -47,7 +48,7 @@ class EngineArgs:
     tokenizer: str | None = None  # None = the model's own
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto = cuda if available, else cpu
-    quantization: str = "auto"  # auto = a GGUF model's own 4-bit weights on CPU, dense otherwise
+    quantization: str = "auto"  # auto = a GGUF model's own 4-bit weights on CPU, dense otherwise; see --help
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = 2048 (chunked prefill) or max_model_len
@@ -86,10 +87,11 @@ class EngineArgs:
         add("device", help="auto, cpu, cuda, cuda:N")
         add(
             "quantization",
-            choices=["auto", "none", "gguf"],
-            help="gguf: a GGUF model's own Q4_0/Q4_1 (and Q8_0 LM head) weights for few-row steps "
-            "(torch's weight-only int4/int8 CPU kernels); "
-            "none: dequantize; auto: gguf on CPU, none on CUDA",
+            choices=QUANTIZATIONS,
+            help="low-bit weight copies for one-row CPU steps. gguf: a GGUF model's own Q4_0/Q4_1 blocks "
+            "(and an int8 copy of a Q8_0 LM head); int4: 4-bit groups of 32 made from the dense weights "
+            "(any model, e.g. an HF folder) and an int8 LM head; none: dense weights only; "
+            "auto: gguf for a GGUF model on CPU, else none",
         )
         add("block-size", type=int, help="tokens per KV block")
         add("max-num-seqs", type=int, help="max sequences in the running batch")

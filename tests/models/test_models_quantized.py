@@ -1,15 +1,19 @@
 """Low-bit weights for few-row steps: GGUF Q4 blocks unpacked exactly, the Q8_0 LM head's int8 copy
-within its rounding, the row rule that picks them, and what they cost in accuracy on SmolLM2."""
+within its rounding, 4-bit copies made from dense weights (`--quantization int4`), the row rule that
+picks them, and what they cost in accuracy on SmolLM2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from pagoda.kernels import cpu_native
+from pagoda.server.engine.dense_int4 import int4_groups
 from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 from pagoda.server.engine.layers.linear import Linear
 from pagoda.server.engine.layers.quantized import FEW_ROWS, Int4Weight, Int8Weight
 from pagoda.server.engine.loader import load_model, resolve_model_source, resolve_quantization
+
+from pagoda import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +73,71 @@ def test_low_bit_copy_serves_only_few_row_steps():
         layer.quantize(Int8Weight(torch.randn(32, 32), torch.float32))
 
 
-def test_quantization_choice():
-    gguf = resolve_model_source(None)
-    assert resolve_quantization("auto", gguf, torch.device("cpu")) == "gguf"
-    assert resolve_quantization("auto", gguf, torch.device("cuda")) == "none"
-    with pytest.raises(ValueError, match="CPU kernel"):
-        resolve_quantization("gguf", gguf, torch.device("cuda"))
+def test_quantization_choice(tiny_llama_dir):
+    gguf, folder = resolve_model_source(None), resolve_model_source(tiny_llama_dir)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", gguf, cpu) == "gguf"
+    assert resolve_quantization("auto", gguf, cuda) == "none"
+    assert resolve_quantization("auto", folder, cpu) == "none"  # int4 changes the numbers: asked for only
+    assert resolve_quantization("int4", folder, cpu) == resolve_quantization("int4", gguf, cpu) == "int4"
+    for quantization in ("gguf", "int4"):
+        with pytest.raises(ValueError, match="CPU kernels"):
+            resolve_quantization(quantization, gguf, cuda)
+        with pytest.raises(ValueError, match="one rank only"):
+            resolve_quantization(quantization, gguf, cpu, tp_size=2)
+    with pytest.raises(ValueError, match=r"is an HF folder .*'int4'"):
+        resolve_quantization("gguf", folder, cpu)
     with pytest.raises(ValueError, match="quantization must be one of"):
-        resolve_quantization("int3", gguf, torch.device("cpu"))
+        resolve_quantization("int3", gguf, cpu)
+
+
+def test_int4_groups_hold_every_weight_within_half_a_step():
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(48, 128, generator=gen)
+    dense[0, :32] = 0.25  # a constant group: no step at all
+    dense[1, 32:64] *= 1000  # a wide group beside narrow ones: each group has its own scale
+    q, scale, zero = int4_groups(dense)
+    assert q.shape == dense.shape and scale.shape == zero.shape == (48, 4)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    step = scale.repeat_interleave(32, dim=1)
+    restored = (q - 8) * step + zero.repeat_interleave(32, dim=1)
+    assert bool(((restored - dense).abs() <= step / 2 + 1e-6 * dense.abs()).all())
+    groups = restored.view(48, 4, 32)
+    assert torch.allclose(groups.amin(-1), dense.view(48, 4, 32).amin(-1), atol=1e-6)  # its ends on the grid
+    assert torch.allclose(groups.amax(-1), dense.view(48, 4, 32).amax(-1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(restored[0, :32], dense[0, :32])
+    weight = Int4Weight(q, scale, zero, torch.float32)  # what the layers run: the same numbers
+    assert torch.allclose(weight.dequantize(), restored, rtol=1e-6, atol=1e-5)
+
+
+def _dense_stand_in(loaded):
+    """The int4-quantized model's weights as plain dense ones (the low-bit copies dequantized, then
+    dropped): what the 4-bit path must compute."""
+    for module in loaded.model.modules():
+        if getattr(module, "low_bit", None) is not None:
+            module.weight.data.copy_(module.low_bit.dequantize())
+            module.low_bit = None
+    return loaded
+
+
+def test_int4_copies_of_an_hf_folder_run_the_one_row_steps(tiny_llama_dir):
+    """`--quantization int4` on an HF folder: every decoder projection gets groups of 32, the LM head
+    int8; one-row steps run on them, and give what dense weights of the same values give. (Prompts of
+    one token: a longer prefill runs on the original dense weights.)"""
+    loaded = load_model(tiny_llama_dir, dtype="float32", quantization="int4")
+    layers = [m for m in loaded.model.model.layers.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.low_bit, Int4Weight) and m.low_bit.group_size == 32 for m in layers)
+    assert isinstance(loaded.model.lm_head.low_bit, Int8Weight)
+    reference = _dense_stand_in(load_model(tiny_llama_dir, dtype="float32", quantization="int4"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    quantized, dense = LLM(loaded=loaded), LLM(loaded=reference)
+    for prompt in ([5], [17], [42]):  # one at a time: every step has one row
+        (want,) = dense.generate([prompt], params)
+        (got,) = quantized.generate([prompt], params)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        chosen = zip(got.outputs[0].logprobs, want.outputs[0].logprobs, want.outputs[0].token_ids, strict=True)
+        for a, b, token in chosen:
+            assert abs(a[token] - b[token]) < 1e-3
 
 
 def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
@@ -84,8 +145,6 @@ def test_gguf_low_bit_greedy_agrees_with_dequantized_weights():
     is the faster). Against the same model on its dense (dequantized) weights: most greedy tokens
     agree, logits stay close.
     Measured on 100 prompts: docs/benchmarks.md (benchmarks/accuracy.py)."""
-    from pagoda import LLM, SamplingParams
-
     prompts = ["The capital of France is", "def add(a, b):", "The three primary colours are"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     dense = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=32 << 20)
