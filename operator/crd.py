@@ -13,6 +13,7 @@ from typing import Any
 
 # The engine settings default to what `pagoda serve` itself defaults to (EngineArgs, the one definition).
 from pagoda.server.engine.config import DEFAULTS as ENGINE_DEFAULTS
+from pagoda.server.engine.config import QUANTIZATIONS
 
 GROUP = "serving.pagoda.dev"
 VERSION = "v1alpha1"
@@ -120,6 +121,10 @@ ENGINE = _obj("Engine settings, passed to `pagoda serve` as PAGODA_* environment
     "enableChunkedPrefill": _bool("Prefill long prompts in chunks.",
                                   default=ENGINE_DEFAULTS["enable_chunked_prefill"]),
     "dtype": _str("Weights/KV dtype.", default=ENGINE_DEFAULTS["dtype"], enum=["auto", "bfloat16", "float16", "float32"]),
+    "quantization": _str("Low-bit weight copies for one-row CPU steps: gguf (a GGUF model's own 4-bit "
+                         "blocks), int4 (4-bit groups made at load from the dense weights, e.g. an HF "
+                         "model's), none, or auto (gguf for a GGUF model on CPU, else none).",
+                         default=ENGINE_DEFAULTS["quantization"], enum=list(QUANTIZATIONS)),
     "seed": _int("Seed for requests without their own.", minimum=0),
     "tensorParallelSize": _int("Ranks the model is split over (`--tensor-parallel-size`). Default: every GPU "
                                "of the group (resources.gpus × parallelism.nodes; 1 per node on CPU).",
@@ -232,6 +237,13 @@ SPEC = _obj("What to serve and how.", {
     "monitoring": MONITORING,
     "routing": ROUTING,
 }, required=["model"], **{"x-kubernetes-validations": [
+    # The engine refuses these at start: the 4-bit layers run on CPU kernels, unsharded.
+    {"rule": "!has(self.engine) || !has(self.engine.quantization) || self.engine.quantization in ['auto', 'none'] "
+             "|| (has(self.resources) && has(self.resources.gpus) && self.resources.gpus == 0 && "
+             "(!has(self.engine.tensorParallelSize) || self.engine.tensorParallelSize == 1) && "
+             "(!has(self.parallelism) || !has(self.parallelism.nodes) || self.parallelism.nodes == 1))",
+     "message": "engine.quantization gguf and int4 run on CPU kernels on one rank: they need resources.gpus 0, "
+                "one node and tensorParallelSize 1"},
     {"rule": "!has(self.engine) || !has(self.engine.tensorParallelSize) || !has(self.parallelism) || "
              "!has(self.parallelism.nodes) || self.engine.tensorParallelSize % self.parallelism.nodes == 0",
      "message": "engine.tensorParallelSize must be a multiple of parallelism.nodes (the same ranks on each node)"},

@@ -137,6 +137,7 @@ def engine_env(spec: dict[str, Any], source: WeightsSource) -> list[dict[str, st
         "PAGODA_MODEL": source.model_path,
         "PAGODA_SERVED_MODEL_NAME": served_name(spec),
         "PAGODA_DTYPE": engine["dtype"],
+        "PAGODA_QUANTIZATION": engine["quantization"],
         "PAGODA_BLOCK_SIZE": engine["blockSize"],
         "PAGODA_MAX_NUM_SEQS": engine["maxNumSeqs"],
         "PAGODA_MAX_MODEL_LEN": engine.get("maxModelLen"),

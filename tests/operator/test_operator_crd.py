@@ -95,6 +95,11 @@ def test_cel_rules_accept_their_edge_cases():
     assert cel_errors({"model": {"uri": "hf://o/m"}, "autoscaling": {"enabled": False}}) == []
     assert cel_errors({"model": {}}) == []  # no uri: the embedded model
     assert cel_errors({"model": {"hfTokenSecretRef": {"name": "s"}}}) != []  # a token, nothing to download
+    cpu_int4 = {"model": {}, "resources": {"gpus": 0}, "engine": {"quantization": "int4"}}
+    assert cel_errors(cpu_int4) == []
+    assert cel_errors({**cpu_int4, "parallelism": {"nodes": 2}}) != []  # 4-bit layers are not sharded
+    assert cel_errors({**cpu_int4, "engine": {"quantization": "gguf", "tensorParallelSize": 2}}) != []
+    assert cel_errors({"model": {}, "engine": {"quantization": "none"}}) == []  # on the default GPU
 
 
 @pytest.mark.parametrize(
