@@ -48,7 +48,7 @@ class EngineArgs:
     tokenizer: str | None = None  # None = the model's own
     dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # auto = cuda if available, else cpu
-    quantization: str = "auto"  # auto = a GGUF model's own 4-bit weights on CPU, dense otherwise; see --help
+    quantization: str = "auto"  # auto = a GGUF model's own 4-bit weights on CPU, else dense; int4: 4-bit copies
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = 2048 (chunked prefill) or max_model_len
