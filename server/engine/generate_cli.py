@@ -50,7 +50,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**vars(engine_args))
+    try:
+        llm = LLM(**vars(engine_args))  # a model that is not there, settings it cannot take
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
     try:
         if args.chat:
             (result,) = llm.chat([{"role": "user", "content": args.prompt}], params)

@@ -27,6 +27,15 @@ def test_generate_reports_bad_input_clearly():
     assert "top_p: must be in (0, 1]" in result.stdout
 
 
+def test_generate_reports_a_model_it_cannot_load_clearly(tmp_path):
+    result = pagoda("generate", "hello", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is not a folder, a .gguf file" in result.stdout
+    result = pagoda("generate", "hello", "--quantization", "int4", "--device", "cuda")
+    assert result.returncode == 2
+    assert "runs on CPU kernels" in result.stdout
+
+
 def test_plan_prints_capacity_arithmetic():
     result = pagoda("plan", "--kv-cache-memory", "1GiB", "--context-len", "2048")
     assert result.returncode == 0, result.stderr[-2000:]
