@@ -1,6 +1,5 @@
 """GGUF Q4_0 / Q4_1 tensors as `Int4Weight`s (the file's own 4-bit numbers) and a Q8_0 LM head as an
-`Int8Weight` (unless the dense head is the faster), for the few-row steps where low-bit kernels win
-(`layers/quantized.py`).
+`Int8Weight`, for the few-row steps where low-bit kernels win (`layers/quantized.py`).
 
 The model is first loaded through transformers' dequantizing reader (config, names, every tensor
 dense); then each linear layer whose GGUF tensors are all Q4_0/Q4_1 also gets the file's blocks. llama.cpp stores q/k rows permuted for its rotary layout; the same row order
