@@ -86,11 +86,11 @@ class _EngineCollector(Collector):
         info = GaugeMetricFamily(
             "pagoda_engine_info",
             "Engine configuration (value is always 1).",
-            labels=["model_name", "block_size", "num_blocks", "max_model_len", "dtype"],
+            labels=["model_name", "block_size", "num_blocks", "max_model_len", "dtype", "quantization"],
         )
         info.add_metric(
             [self._model_name, str(stats.block_size), str(stats.num_blocks_total), str(stats.max_model_len),
-             stats.dtype],
+             stats.dtype, stats.quantization],
             1,
         )  # fmt: skip
         yield info

@@ -76,6 +76,7 @@ class LLMEngine:
         self.vocab_size = loaded.model.vocab_size  # the embedding rows: what a token id may be below
         self.max_model_len = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.dtype = loaded.dtype
+        self.quantization = loaded.quantization
         batch_tokens = step_token_budget(args, self.max_model_len)
         self.max_num_batched_tokens = batch_tokens
         model = loaded.model
@@ -377,6 +378,7 @@ class LLMEngine:
             kv_cache_bytes=bm.num_blocks * self.spec.bytes_per_block * self.tp_size,
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             preemptions=self.scheduler.num_preemptions,

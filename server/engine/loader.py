@@ -49,6 +49,7 @@ class LoadedModel:
     eos_token_ids: set[int]
     dtype: torch.dtype
     device: torch.device
+    quantization: str  # what `resolve_quantization` chose: "none", "gguf" or "int4"
 
 
 def default_gguf_path() -> Path:
@@ -334,4 +335,5 @@ def load_model(
         eos_token_ids=_eos_token_ids(hf_config, generation_config),
         dtype=dtype,
         device=device,
+        quantization=quantization,
     )

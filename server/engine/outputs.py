@@ -141,6 +141,7 @@ class EngineStats:
     kv_cache_bytes: int = 0  # the pool's bytes over every rank of the group
     max_model_len: int = 0
     dtype: str = ""
+    quantization: str = ""  # of the weights: "none", "gguf" or "int4" (loader.resolve_quantization)
     # Cumulative counters
     prompt_tokens: int = 0
     generation_tokens: int = 0

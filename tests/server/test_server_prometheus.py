@@ -81,4 +81,5 @@ async def test_prometheus_scrapes_every_documented_metric(server, tmp_path):
         assert value("pagoda_kv_cache_capacity_tokens") == value("pagoda_kv_cache_blocks_total") * 16
         info = prom.query("pagoda_engine_info")[0]["metric"]
         assert info["block_size"] == "16" and info["num_blocks"] == "64" and info["dtype"] == "float32"
+        assert info["quantization"] == "none"  # an HF folder: dense unless asked
         assert value("pagoda_kv_cache_blocks_used") == 0  # all finished or aborted: nothing held
