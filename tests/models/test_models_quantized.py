@@ -4,9 +4,11 @@ picks them, and what they cost in accuracy on SmolLM2."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pagoda.kernels import cpu_native
+from pagoda.server.engine import gguf_int4
 from pagoda.server.engine.dense_int4 import int4_groups
 from pagoda.server.engine.gguf_int4 import quantize_from_gguf
 from pagoda.server.engine.layers.linear import Linear
@@ -34,6 +36,24 @@ def test_gguf_q4_blocks_are_the_dequantized_weights_bit_for_bit(smollm2_fp32):
     for layer in layers[:4] + layers[-4:]:
         assert isinstance(layer.low_bit, Int4Weight) and layer.low_bit.group_size == 32
         assert torch.equal(layer.low_bit.dequantize(), layer.weight)
+
+
+def test_gguf_blocks_read_alike_from_the_tensor_table_and_through_gguf_reader(monkeypatch):
+    # The fast path reads only the tensor table; gguf's GGUFReader (older transformers) parses it all.
+    reader = pytest.importorskip("transformers.integrations.gguf.reader")
+    path = resolve_model_source(None).path
+    fast = gguf_int4._file_tensors(path)
+
+    def unreadable(_path):
+        raise ValueError("a tensor type this reader does not take")
+
+    monkeypatch.setattr(reader.GgufHeader, "from_file", unreadable)
+    slow = gguf_int4._file_tensors(path)
+    assert fast.keys() == slow.keys() and {kind for kind, _ in fast.values()} == {"F32", "Q4_1", "Q8_0"}
+    blocks = [name for name, (kind, _) in fast.items() if kind in gguf_int4.INT4_TYPES]
+    assert len(blocks) == 210
+    for name in blocks:
+        assert fast[name][0] == slow[name][0] and np.array_equal(fast[name][1], slow[name][1]), name
 
 
 def test_q8_lm_head_int8_copy_is_within_half_a_step(smollm2_fp32):
