@@ -244,7 +244,6 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, tp
     """One pass of transformers' dequantizing GGUF reader (the one from_pretrained(gguf_file=...) uses,
     q/k un-permutation included) gives the config and the weights."""
     from pagoda.server.engine.models.llama import hf_tensor_names
-    from transformers import AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -262,8 +261,19 @@ def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, tp
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "")]
     model = build_model(hf_config, dtype, device, tp)
     model.load_weights(_sliced(parsed["tensors"].items(), model))
-    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    return model, hf_config, tokenizer, None
+    return model, hf_config, _gguf_tokenizer(source.path, hf_config.model_type), None
+
+
+def _gguf_tokenizer(path: Path, model_type: str):
+    """The tokenizer AutoTokenizer makes of a GGUF file, without its second parse of the file's config
+    (~2 s for SmolLM2's): a model type with no tokenizer class of its own (llama, in transformers 5)
+    gets transformers' generic fast tokenizer, as AutoTokenizer gives it."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if TOKENIZER_MAPPING_NAMES.get(model_type) is None:
+        return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def resolve_quantization(

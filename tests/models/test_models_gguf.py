@@ -1,5 +1,6 @@
 """The GGUF path on tiny llama and qwen2 files (F32, written here like llama.cpp's converter does):
-our loader gives exactly the HF folder's weights and transformers' own GGUF weights."""
+our loader gives exactly the HF folder's weights and transformers' own GGUF weights, and AutoTokenizer's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from models_gguf_writer import write_gguf
 from pagoda.server.engine.loader import load_model
 from support.tiny_models import tiny_model_dir
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -31,3 +32,8 @@ def test_gguf_loads_the_folder_weights(family, tmp_path, tmp_path_factory):
     state = reference.state_dict()
     assert all(torch.equal(ours[name], state[name]) for name in ours)
     assert from_gguf.tokenizer.decode(from_gguf.tokenizer("The capital")["input_ids"]) == "The capital"
+    # The tokenizer is the one AutoTokenizer makes (the loader skips its second parse of the file).
+    auto = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert type(from_gguf.tokenizer) is type(auto)
+    assert from_gguf.tokenizer.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert from_gguf.tokenizer.special_tokens_map == auto.special_tokens_map
