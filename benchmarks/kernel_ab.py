@@ -11,6 +11,10 @@ median per build.
 
 The embedded GGUF model is the default (`--model` unset). Whole-run throughput on this kind of
 shared host moves by ±10 % between runs minutes apart; alternating steps cancels most of that.
+
+`--attention` times the decode attention alone instead: SmolLM2's shape (9 query / 3 KV heads of 64),
+30 layers of their own blocks in a cache too large for any CPU cache, 1-64 sequences of 100-2,000
+tokens, both dtypes, the two builds taking turns, and checks that they give the same outputs.
 """
 
 from __future__ import annotations
@@ -58,6 +62,40 @@ def median_ms(times: list[float]) -> float:
     return 1e3 * sorted(times)[len(times) // 2] if times else float("nan")
 
 
+ATTENTION_SHAPES = [(1, 256), (1, 2000), (16, 100), (16, 256), (16, 2000), (64, 256)]  # sequences, tokens
+
+
+def attention_ab(builds: dict, before: str, layers: int = 30, rounds: int = 8) -> None:
+    import torch
+    from pagoda.kernels import cpu_native
+
+    generator = torch.Generator().manual_seed(0)
+    print(f"decode attention, kernels at {before} (before) vs the working tree (after), {layers} layers, medians")
+    print("| dtype | sequences x tokens | before ms | after ms | after / before | same outputs |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for seqs, tokens in ATTENTION_SHAPES:
+            width = tokens // 16 + 1
+            num_blocks = seqs * width * layers
+            k_cache, v_cache = (torch.randn(num_blocks, 16, 3, 64, generator=generator).to(dtype) for _ in "kv")
+            blocks = torch.randperm(num_blocks, generator=generator).int().view(layers, seqs, width)
+            lens = torch.full((seqs,), tokens, dtype=torch.int32)
+            query = torch.randn(seqs, 9, 64, generator=generator).to(dtype)
+            times, outputs = collections.defaultdict(list), {}
+            for turn in range(rounds):
+                for name in ("before", "after") if turn % 2 else ("after", "before"):
+                    cpu_native._library = builds[name]
+                    started = time.perf_counter()
+                    for table in blocks:
+                        outputs[name] = cpu_native.paged_decode_attention(
+                            query, k_cache, v_cache, table, lens, 0.125, None
+                        )
+                    times[name].append(time.perf_counter() - started)
+            old, new = median_ms(times["before"]), median_ms(times["after"])
+            same = torch.equal(outputs["before"], outputs["after"])
+            print(f"| {str(dtype)[6:]} | {seqs} x {tokens} | {old:.2f} | {new:.2f} | {new / old:.2f}x | {same} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, metavar="REV", help="git revision of the other build")
@@ -65,7 +103,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--runs", type=int, default=6, help="workload runs (prompt sets 0, 1, 2, 0, ...)")
     parser.add_argument("--workload", default="c16", help="a peer_serve workload by the start of its name")
+    parser.add_argument("--attention", action="store_true", help="time the decode attention alone")
     args = parser.parse_args()
+    if args.attention:
+        attention_ab(dict(zip(("before", "after"), load_both(args.before), strict=True)), args.before)
+        return
 
     from pagoda.kernels import cpu_native
     from pagoda.server.bench.offline import OfflineBaseline
