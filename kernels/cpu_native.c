@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
     for (int g = 0; g < group; g++) {
         for (int c = 0; c < chunks; c++) {
             /* only the fp32 dot products read qv: in the bf16 pairs' instances it is never live, which
-             * leaves the sums their registers (SmolLM2's shape spilled them to the stack: ~2x slower) */
+             * leaves the sums their registers (SmolLM2's shape spilled them to the stack on every token) */
             if (!in_pairs) {
                 const __m512 raw = load16(a->q, a->q_offset + g * a->q_head_stride + 16 * c, tail[c], dtype);
                 qv[g][c] = _mm512_mul_ps(raw, _mm512_set1_ps(a->scale));
@@ -432,7 +432,7 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
  * 4-6 % faster; at 150 tokens fp32 7.1-7.4 -> 6.5-6.7 ms). The V rows' sums four heads at a time in
  * registers through a chunk, the scores stored four at once, and no fp32 query in a bf16 instance:
  * Zen 5, SmolLM2's shape, 30 layers from cold caches, 1-64 sequences of 100-2,000 tokens, bf16
- * 0.76-0.92x the time, fp32 0.84-0.94x, the same outputs bit for bit. */
+ * 0.76-0.93x the time, fp32 0.81-0.98x, the same outputs bit for bit (`kernel_ab.py --attention`). */
 static void attend(const struct attention_task *a, const int dtype) {
     const int chunks = (a->head_dim + 15) / 16;
 #define ATTEND_SHAPE(g, c)                                                                   \
