@@ -34,8 +34,8 @@ GROUPS = {"1": range(1, 2), "2-11": range(2, 12), "12-16": range(12, 17), "17-47
           "48-256": range(48, 257), "257+": range(257, 1 << 31)}  # fmt: skip
 
 
-def load_both(before: str):
-    """(before, after) loaded libraries: the source at `before`, then the working tree's."""
+def load_both(before: str) -> dict:
+    """{"before": library, "after": library}: the kernels at `before`, then the working tree's."""
     from pagoda.kernels import cpu_native
 
     source = subprocess.run(
@@ -55,7 +55,7 @@ def load_both(before: str):
     new = cpu_native.library()
     if old is None or new is None:
         raise SystemExit("the native kernels did not build")
-    return old, new
+    return {"before": old, "after": new}
 
 
 def median_ms(times: list[float]) -> float:
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true", help="time the decode attention alone")
     args = parser.parse_args()
     if args.attention:
-        attention_ab(dict(zip(("before", "after"), load_both(args.before), strict=True)), args.before)
+        attention_ab(load_both(args.before), args.before)
         return
 
     from pagoda.kernels import cpu_native
@@ -116,7 +116,7 @@ def main() -> None:
     workload = next((w for w in WORKLOADS if w.name.startswith(args.workload)), None)
     if workload is None:
         raise SystemExit(f"no workload {args.workload!r}: {', '.join(w.name for w in WORKLOADS)}")
-    builds = dict(zip(("before", "after"), load_both(args.before), strict=True))
+    builds = load_both(args.before)
     baseline = OfflineBaseline(
         {"model": args.model, "dtype": args.dtype} if args.model else {"dtype": args.dtype}
     )
