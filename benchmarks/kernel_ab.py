@@ -13,7 +13,7 @@ The embedded GGUF model is the default (`--model` unset). Whole-run throughput o
 shared host moves by ±10 % between runs minutes apart; alternating steps cancels most of that.
 
 `--attention` times the decode attention alone instead: SmolLM2's shape (9 query / 3 KV heads of 64),
-30 layers of their own blocks in a cache too large for any CPU cache, 1-64 sequences of 100-2,000
+30 layers of their own blocks in a cache too large for any CPU cache, 1-64 sequences of 100-8,000
 tokens, both dtypes, the two builds taking turns, and checks that they give the same outputs.
 """
 
@@ -62,7 +62,7 @@ def median_ms(times: list[float]) -> float:
     return 1e3 * sorted(times)[len(times) // 2] if times else float("nan")
 
 
-ATTENTION_SHAPES = [(1, 256), (1, 2000), (16, 100), (16, 256), (16, 2000), (64, 256)]  # sequences, tokens
+ATTENTION_SHAPES = [(1, 256), (1, 2000), (1, 8000), (2, 1000), (16, 100), (16, 256), (16, 2000), (64, 256)]  # sequences, tokens
 
 
 def attention_ab(builds: dict, before: str, layers: int = 30, rounds: int = 8) -> None:

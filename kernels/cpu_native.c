@@ -269,15 +269,25 @@ int pagoda_max_group(void) { return MAX_GROUP; }
  * [num_blocks, block_size, num_kv_heads, head_dim] contiguous; out: [num_seqs, num_heads, head_dim]
  * contiguous. A sequence sees its last `sliding_window` tokens (0: all of them).
  * One task per (sequence, KV head) attends for the query heads of its group, so each K/V row is
- * read once for all of them. */
+ * read once for all of them; a long context of few sequences is split into pieces (below). */
 struct attention_task {
     const void *q, *k_cache, *v_cache;
     const int32_t *table;
     void *out;
+    float *piece; /* NULL: the group's outputs, normalized, into out; else its records (`keep_piece`) */
     int64_t q_offset, q_head_stride, out_offset, kv_offset, token_stride;
     int group, head_dim, block_size, start, length, dtype;
     float scale;
 };
+
+/* A piece of a split context keeps, for each head g of its group, a record of head_dim + 2 floats:
+ * the sums of its tokens' V rows weighed by exp(score - max), then that max and the weights' total. */
+static inline void keep_piece(const struct attention_task *a, int g, const float *sums, float max, float total) {
+    float *record = a->piece + (int64_t)g * (a->head_dim + 2);
+    memcpy(record, sums, (size_t)a->head_dim * sizeof(float));
+    record[a->head_dim] = max;
+    record[a->head_dim + 1] = total;
+}
 
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
 /* A block's K and V rows of one KV head, `tokens` of them from `base` (elements), into L2 (into L1
@@ -420,6 +430,12 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
         t += n;
     }
     for (int g = 0; g < group; g++) {
+        if (a->piece) {
+            float sums[MAX_HEAD_DIM];
+            for (int c = 0; c < chunks; c++) _mm512_mask_storeu_ps(sums + 16 * c, tail[c], acc[g][c]);
+            keep_piece(a, g, sums, row_max[g], row_sum[g]);
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f);
         for (int c = 0; c < chunks; c++)
             store16(a->out, a->out_offset + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv), tail[c], dtype);
@@ -528,6 +544,10 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
         t += n;
     }
     for (int g = 0; g < group; g++) {
+        if (a->piece) {
+            keep_piece(a, g, sums[g], row_max[g], row_sum[g]);
+            continue;
+        }
         const __m256 inv = _mm256_set1_ps(row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f);
         for (int c = 0; c < chunks; c++)
             store8(a->out, a->out_offset + g * head_dim + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(sums[g] + 8 * c), inv),
@@ -578,6 +598,10 @@ static void attend(const struct attention_task *a, const int dtype) {
         }
     }
     for (int g = 0; g < group; g++) {
+        if (a->piece) {
+            keep_piece(a, g, acc[g], row_max[g], row_sum[g]);
+            continue;
+        }
         const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
         for (int i = 0; i < head_dim; i++) acc[g][i] *= inv;
         store_f32(a->out, a->out_offset + g * head_dim, dtype, acc[g], head_dim);
@@ -596,6 +620,82 @@ static int blocks_exist(const int32_t *block_tables, int64_t block_table_stride,
     return 1;
 }
 
+/* ---- A long context of few sequences, split across threads ---------------------------------------
+ * A task per (sequence, KV head) leaves threads idle when there are fewer than two tasks a thread: one
+ * sequence of SmolLM2's 3 KV heads keeps one of 2 threads waiting a third of the layer, and 13 of 16
+ * threads all of it. Then each context splits into pieces of PIECE_TOKENS_MIN tokens or more, sized so
+ * that the layer's work makes ~TASKS_PER_THREAD tasks a thread. A piece's sums stay unnormalized
+ * (`keep_piece`); `merge_pieces` rescales each to the largest max and normalizes, as the online softmax
+ * over the whole context would have. */
+#define PIECE_TOKENS_MIN 512 /* each piece's first block waits for memory: a few microseconds of work at least */
+#define TASKS_PER_THREAD 8
+
+/* Tokens [start, end) of a sequence; record: the first of its group records in the pieces' buffer, or
+ * -1 where the piece is the whole context (its outputs go straight to out). */
+struct piece {
+    int seq, start, end;
+    int64_t record;
+};
+
+static inline int window_start(int length, int sliding_window) {
+    return sliding_window > 0 && length > sliding_window ? length - sliding_window : 0;
+}
+
+/* The step's pieces (*count of them; NULL: no memory) and how many hold records (*split). */
+static struct piece *split_contexts(const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                                    int head_dim, int block_size, int sliding_window, int num_threads, int *count,
+                                    int64_t *split) {
+    int64_t tokens = 0;
+    for (int s = 0; s < num_seqs; s++) tokens += context_lens[s] - window_start(context_lens[s], sliding_window);
+    int64_t size = tokens > 0 ? tokens : 1; /* enough tasks already, or one thread: every context whole */
+    if (num_threads > 1 && (int64_t)num_seqs * num_kv_heads < 2 * num_threads) {
+        size = tokens * num_kv_heads / ((int64_t)num_threads * TASKS_PER_THREAD);
+        if (size < PIECE_TOKENS_MIN) size = PIECE_TOKENS_MIN;
+    }
+    struct piece *pieces = malloc(((size_t)(tokens / size) + num_seqs) * sizeof *pieces);
+    if (!pieces) return 0;
+    int n = 0;
+    *split = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int start = window_start(context_lens[s], sliding_window), length = context_lens[s];
+        const int64_t parts = (length - start + size - 1) / size;
+        if (parts <= 1) {
+            pieces[n++] = (struct piece){s, start, length, -1};
+            continue;
+        }
+        /* equal pieces of whole blocks (each prefetched as it begins) */
+        const int64_t step = ((length - start + parts - 1) / parts + block_size - 1) / block_size * block_size;
+        for (int64_t from = start; from < length; from += step) {
+            pieces[n++] = (struct piece){s, (int)from, from + step < length ? (int)(from + step) : length,
+                                         *split * num_heads * (head_dim + 2)};
+            (*split)++;
+        }
+    }
+    *count = n;
+    return pieces;
+}
+
+/* Head h of the pieces [first, last) of one sequence, merged into its output row. */
+static void merge_pieces(const float *records, const struct piece *pieces, int first, int last, int h,
+                         int num_heads, int head_dim, void *out, int dtype) {
+    float max = -FLT_MAX, total = 0.0f, merged[MAX_HEAD_DIM];
+    for (int p = first; p < last; p++) {
+        const float *record = records + pieces[p].record + (int64_t)h * (head_dim + 2);
+        if (record[head_dim] > max) max = record[head_dim];
+    }
+    for (int i = 0; i < head_dim; i++) merged[i] = 0.0f;
+    for (int p = first; p < last; p++) {
+        const float *record = records + pieces[p].record + (int64_t)h * (head_dim + 2);
+        const float weight = expf(record[head_dim] - max);
+        total += record[head_dim + 1] * weight;
+#pragma omp simd
+        for (int i = 0; i < head_dim; i++) merged[i] += record[i] * weight;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int i = 0; i < head_dim; i++) merged[i] *= inv;
+    store_f32(out, ((int64_t)pieces[first].seq * num_heads + h) * head_dim, dtype, merged, head_dim);
+}
+
 int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q_head_stride,
                                   const void *k_cache, const void *v_cache, const int32_t *block_tables,
                                   int64_t block_table_stride, const int32_t *context_lens, void *out,
@@ -605,26 +705,52 @@ int pagoda_paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q
     const int group = num_heads / num_kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
     if (!blocks_exist(block_tables, block_table_stride, context_lens, num_seqs, block_size, num_blocks)) return -2;
-    /* Enough sequences to share out: a thread takes all of a sequence's heads, which read the same
-     * token rows (cold caches from DRAM: 64 sequences ~15 % faster than head by head). */
-    const int per_grab = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
-#pragma omp parallel for schedule(dynamic, per_grab) num_threads(num_threads)
-    for (int task = 0; task < num_seqs * num_kv_heads; task++) {
-        const int seq = task / num_kv_heads, kv_head = task % num_kv_heads, length = context_lens[seq];
-        const struct attention_task a = {
-            .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
-            .table = block_tables + seq * block_table_stride,
-            .q_offset = seq * q_seq_stride + (int64_t)kv_head * group * q_head_stride,
-            .q_head_stride = q_head_stride,
-            .out_offset = ((int64_t)seq * num_heads + kv_head * group) * head_dim,
-            .kv_offset = (int64_t)kv_head * head_dim,
-            .token_stride = (int64_t)num_kv_heads * head_dim,
-            .group = group, .head_dim = head_dim, .block_size = block_size,
-            .start = sliding_window > 0 && length > sliding_window ? length - sliding_window : 0,
-            .length = length, .dtype = dtype, .scale = scale,
-        };
-        if (dtype == DTYPE_BF16) attend(&a, DTYPE_BF16); else attend(&a, DTYPE_F32);
+    int num_pieces = 0;
+    int64_t split = 0;
+    struct piece *pieces = split_contexts(context_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                          sliding_window, num_threads, &num_pieces, &split);
+    float *records = split ? malloc((size_t)split * num_heads * (head_dim + 2) * sizeof(float)) : 0;
+    if (!pieces || (split && !records)) {
+        free(pieces);
+        free(records);
+        return -1;
     }
+    /* Enough pieces to share out: a thread takes all of a piece's heads, which read the same token
+     * rows (cold caches from DRAM: 64 sequences ~15 % faster than head by head). */
+    const int per_grab = num_pieces >= 2 * num_threads ? num_kv_heads : 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, per_grab)
+        for (int task = 0; task < num_pieces * num_kv_heads; task++) {
+            const struct piece *p = pieces + task / num_kv_heads;
+            const int seq = p->seq, kv_head = task % num_kv_heads;
+            const struct attention_task a = {
+                .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+                .piece = p->record < 0 ? 0 : records + p->record + (int64_t)kv_head * group * (head_dim + 2),
+                .table = block_tables + seq * block_table_stride,
+                .q_offset = seq * q_seq_stride + (int64_t)kv_head * group * q_head_stride,
+                .q_head_stride = q_head_stride,
+                .out_offset = ((int64_t)seq * num_heads + kv_head * group) * head_dim,
+                .kv_offset = (int64_t)kv_head * head_dim,
+                .token_stride = (int64_t)num_kv_heads * head_dim,
+                .group = group, .head_dim = head_dim, .block_size = block_size,
+                .start = p->start, .length = p->end, .dtype = dtype, .scale = scale,
+            };
+            if (dtype == DTYPE_BF16) attend(&a, DTYPE_BF16); else attend(&a, DTYPE_F32);
+        }
+        if (split) { /* every piece attended (the loop's barrier): each split sequence's heads merged */
+#pragma omp for schedule(static)
+            for (int i = 0; i < num_pieces * num_heads; i++) {
+                const int first = i / num_heads, h = i % num_heads;
+                if (pieces[first].record < 0 || (first > 0 && pieces[first - 1].seq == pieces[first].seq)) continue;
+                int last = first + 1;
+                while (last < num_pieces && pieces[last].seq == pieces[first].seq) last++;
+                merge_pieces(records, pieces, first, last, h, num_heads, head_dim, out, dtype);
+            }
+        }
+    }
+    free(pieces);
+    free(records);
     return 0;
 }
 

@@ -119,6 +119,30 @@ def test_decode_attention_head_sizes(dtype, head_dim, group, generator):
     assert relative_error(out, expected) <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("lens", "window"), [([1500], None), ([3000], 700), ([40, 2500], None)])
+def test_decode_attention_splits_few_long_contexts_across_threads(dtype, lens, window, generator):
+    """Fewer (sequence, KV head) tasks than two a thread: each context attends in pieces that the
+    threads share, merged after; one thread attends each whole. Both match the reference, and in fp32
+    they sum in another order (so the pieces did run)."""
+    cache = make_paged_kv(lens, 2, 64, 16, dtype, poison=1e4, generator=generator)
+    query = random_queries(len(lens), 6, 64, dtype, generator=generator)
+    args = (query, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 0.125, window)
+    expected = TorchReferenceBackend().paged_decode_attention(*args)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = cpu_native.paged_decode_attention(*args)
+        torch.set_num_threads(4)  # 2 or 4 tasks: fewer than two a thread
+        pieces = cpu_native.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    for out in (whole, pieces):
+        assert relative_error(out, expected) <= tolerance(dtype)
+    if dtype == torch.float32:
+        assert not torch.equal(whole, pieces)
+
+
 def test_decode_attention_refuses_a_block_outside_the_cache(generator):
     cache = make_paged_kv([20], 1, 64, 16, torch.float32, generator=generator)
     tables = cache.block_tables.clone()
