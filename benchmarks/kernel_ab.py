@@ -14,7 +14,8 @@ shared host moves by ±10 % between runs minutes apart; alternating steps cancel
 
 `--attention` times the decode attention alone instead: SmolLM2's shape (9 query / 3 KV heads of 64),
 30 layers of their own blocks in a cache too large for any CPU cache, 1-64 sequences of 100-8,000
-tokens, both dtypes, the two builds taking turns, and checks that they give the same outputs.
+tokens, both dtypes, the two builds taking turns, and tells whether they give the same outputs bit for bit
+(a change in the order of the sums shows there).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def median_ms(times: list[float]) -> float:
     return 1e3 * sorted(times)[len(times) // 2] if times else float("nan")
 
 
-ATTENTION_SHAPES = [(1, 256), (1, 2000), (1, 8000), (2, 1000), (16, 100), (16, 256), (16, 2000), (64, 256)]  # sequences, tokens
+# sequences, tokens (one or two long contexts: the pieces the threads share)
+ATTENTION_SHAPES = [(1, 256), (1, 2000), (1, 8000), (2, 1000), (16, 100), (16, 256), (16, 2000), (64, 256)]
 
 
 def attention_ab(builds: dict, before: str, layers: int = 30, rounds: int = 8) -> None:
