@@ -294,33 +294,41 @@ static inline void keep_piece(const struct attention_task *a, int g, const float
  * they held its few miss buffers: 16 sequences' cold caches 151 -> 109 us a layer). In a decode
  * step the caches come from DRAM (the layer's weights went through the caches since): without this
  * each block's first reads wait for memory. */
-static inline void prefetch_block(const struct attention_task *a, int64_t base, int tokens, const int dtype) {
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (int64_t)a->head_dim * elem;
-    for (int j = 0; j < tokens; j++) {
-        const int64_t row = (base + (int64_t)j * a->token_stride) * elem;
-        for (int64_t line = 0; line < bytes; line += 64) {
-            _mm_prefetch((const char *)a->k_cache + row + line, _MM_HINT_T2);
-            _mm_prefetch((const char *)a->v_cache + row + line, _MM_HINT_T2);
-        }
+INLINE void prefetch_row(const struct attention_task *a, int64_t row_base, const int dtype, const int head_dim) {
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (int64_t)head_dim * elem, row = row_base * elem;
+    for (int64_t line = 0; line < bytes; line += 64) {
+        _mm_prefetch((const char *)a->k_cache + row + line, _MM_HINT_T2);
+        _mm_prefetch((const char *)a->v_cache + row + line, _MM_HINT_T2);
     }
 }
 
+static inline void prefetch_block(const struct attention_task *a, int64_t base, int tokens, const int dtype) {
+    for (int j = 0; j < tokens; j++) prefetch_row(a, base + (int64_t)j * a->token_stride, dtype, a->head_dim);
+}
+
+/* Where block b's first K/V row of the task's head starts (elements). */
+static inline int64_t block_base(const struct attention_task *a, int b) {
+    return (int64_t)a->table[b] * a->block_size * a->token_stride + a->kv_offset;
+}
+
 /* The chunk of up to `chunk` tokens from token t within its cache block: how many, and where its first
- * K/V row starts (*base, elements). The next block streams in while it computes: prefetched as its
- * block begins (the task's first block too, with the whole block in flight at once: an AVX2 step's
- * cold caches at 16 x 100-240 tokens, with the 16-token chunks, 7.5-20 -> 5.1-12.2 ms). */
-static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype) {
+ * K/V row starts (*base, elements). The task's first two blocks are prefetched as it begins, with the
+ * whole block in flight at once (an AVX2 step's cold caches at 16 x 100-240 tokens, with the 16-token
+ * chunks, 7.5-20 -> 5.1-12.2 ms); `whole_blocks` (the AVX2 kernel) asks for each later block whole as
+ * the block before it begins, the AVX-512 kernel a row at a time while it weighs V (`attend_shaped`). */
+static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype,
+                             const int whole_blocks) {
     const int in_block = t % a->block_size, block = t / a->block_size;
     int n = a->block_size - in_block;
     if (n > chunk) n = chunk;
     if (n > a->length - t) n = a->length - t;
     *base = ((int64_t)a->table[block] * a->block_size + in_block) * a->token_stride + a->kv_offset;
-    if (in_block == 0 || t == a->start)
+    if ((in_block == 0 && whole_blocks) || t == a->start)
         for (int b = t == a->start ? block : block + 1; b <= block + 1; b++) {
             const int first = b * a->block_size;
             if (first >= a->length) break;
-            prefetch_block(a, (int64_t)a->table[b] * a->block_size * a->token_stride + a->kv_offset,
-                           a->length - first < a->block_size ? a->length - first : a->block_size, dtype);
+            prefetch_block(a, block_base(a, b), a->length - first < a->block_size ? a->length - first : a->block_size,
+                           dtype);
         }
     return n;
 }
@@ -367,7 +375,16 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype);
+        const int n = next_chunk(a, t, CHUNK, &base, dtype, 0);
+        /* The block after this one (not the first two: asked for as the task began), a row a step of the
+         * V loop's first pass: asked for all at once as a block began, the prefetches held up the loads
+         * behind them (SmolLM2's shape, Zen 5, 16 x 1,000 tokens from DRAM: 13.5-14.6 -> 10.0-11.3 ns a
+         * token and KV head) */
+        const int next = t / a->block_size + 1;
+        const int64_t next_rows = t % a->block_size == 0 && next * a->block_size < a->length &&
+                                          next * a->block_size > a->start + a->block_size
+                                      ? block_base(a, next)
+                                      : -1;
         float scores[MAX_GROUP][CHUNK];
 #if defined(__AVX512BF16__)
         if (in_pairs)
@@ -416,6 +433,8 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
                 __m512 s0 = acc[g0][c], s1 = heads > 1 ? acc[g0 + 1][c] : s0;
                 __m512 s2 = heads > 2 ? acc[g0 + 2][c] : s0, s3 = heads > 3 ? acc[g0 + 3][c] : s0;
                 for (int j = 0; j < n; j++) {
+                    if (c == 0 && g0 == 0 && next_rows >= 0) /* head_dim a constant: no loop in this one */
+                        prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, head_dim);
                     const __m512 v = load16(a->v_cache, base + (int64_t)j * a->token_stride + 16 * c, tail[c], dtype);
                     s0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0][j]), v, s0);
                     if (heads > 1) s1 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0 + 1][j]), v, s1);
@@ -501,7 +520,7 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype);
+        const int n = next_chunk(a, t, CHUNK, &base, dtype, 1);
         int64_t rows[CHUNK]; /* past the chunk: its last token again, dropped by `valid` */
         for (int u = 0; u < CHUNK; u++) rows[u] = base + (int64_t)(u < n ? u : n - 1) * a->token_stride;
         __m256 valid[CHUNK / 8];
