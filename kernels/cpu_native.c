@@ -312,19 +312,20 @@ static inline int64_t block_base(const struct attention_task *a, int b) {
 }
 
 /* The chunk of up to `chunk` tokens from token t within its cache block: how many, and where its first
- * K/V row starts (*base, elements). The task's first two blocks are prefetched as it begins, with the
- * whole block in flight at once (an AVX2 step's cold caches at 16 x 100-240 tokens, with the 16-token
- * chunks, 7.5-20 -> 5.1-12.2 ms); `whole_blocks` (the AVX2 kernel) asks for each later block whole as
- * the block before it begins, the AVX-512 kernel a row at a time while it weighs V (`attend_shaped`). */
+ * K/V row starts (*base, elements). As the task begins, its first blocks are prefetched whole, each
+ * block's rows in flight at once (an AVX2 step's cold caches at 16 x 100-240 tokens, with the 16-token
+ * chunks, 7.5-20 -> 5.1-12.2 ms): `ahead` 0 (the AVX2 kernel) the first two, then each later block
+ * whole as the block before it begins; else the first ahead + 1, the caller asking for each later
+ * block a row at a time `ahead` blocks before it (`attend_shaped`). */
 static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype,
-                             const int whole_blocks) {
+                             const int ahead) {
     const int in_block = t % a->block_size, block = t / a->block_size;
     int n = a->block_size - in_block;
     if (n > chunk) n = chunk;
     if (n > a->length - t) n = a->length - t;
     *base = ((int64_t)a->table[block] * a->block_size + in_block) * a->token_stride + a->kv_offset;
-    if ((in_block == 0 && whole_blocks) || t == a->start)
-        for (int b = t == a->start ? block : block + 1; b <= block + 1; b++) {
+    if ((in_block == 0 && !ahead) || t == a->start)
+        for (int b = t == a->start ? block : block + 1; b <= block + (ahead ? ahead : 1); b++) {
             const int first = b * a->block_size;
             if (first >= a->length) break;
             prefetch_block(a, block_base(a, b), a->length - first < a->block_size ? a->length - first : a->block_size,
@@ -336,6 +337,7 @@ static inline int next_chunk(const struct attention_task *a, int t, int chunk, i
 
 #if defined(__AVX512F__)
 #define CHUNK 16 /* tokens whose scores are exponentiated together */
+#define BLOCKS_AHEAD 2 /* how far ahead the KV rows are asked for */
 
 /* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
  * once; bf16 caches multiply in bf16 pairs as stored, the scale applied to the sum, ~15 % faster than
@@ -375,14 +377,14 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype, 0);
-        /* The block after this one (not the first two: asked for as the task began), a row a step of the
-         * V loop's first pass: asked for all at once as a block began, the prefetches held up the loads
-         * behind them (SmolLM2's shape, Zen 5, 16 x 1,000 tokens from DRAM: 13.5-14.6 -> 10.0-11.3 ns a
-         * token and KV head) */
-        const int next = t / a->block_size + 1;
+        const int n = next_chunk(a, t, CHUNK, &base, dtype, BLOCKS_AHEAD);
+        /* The block BLOCKS_AHEAD on (unless asked for as the task began), a row a step of the V loop's
+         * first pass. Asked for all at once as a block began, the prefetches held up the loads behind
+         * them (SmolLM2's shape, Zen 5, 16 x 1,000 tokens from DRAM: 13.5-14.6 -> 10.0-11.3 ns a token
+         * and KV head with the next block a row at a time; two blocks on, bf16 0.80-0.98x that) */
+        const int next = t / a->block_size + BLOCKS_AHEAD;
         const int64_t next_rows = t % a->block_size == 0 && next * a->block_size < a->length &&
-                                          next * a->block_size > a->start + a->block_size
+                                          next * a->block_size > a->start + BLOCKS_AHEAD * a->block_size
                                       ? block_base(a, next)
                                       : -1;
         float scores[MAX_GROUP][CHUNK];
@@ -520,7 +522,7 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype, 1);
+        const int n = next_chunk(a, t, CHUNK, &base, dtype, 0);
         int64_t rows[CHUNK]; /* past the chunk: its last token again, dropped by `valid` */
         for (int u = 0; u < CHUNK; u++) rows[u] = base + (int64_t)(u < n ? u : n - 1) * a->token_stride;
         __m256 valid[CHUNK / 8];
