@@ -2428,6 +2428,62 @@ INLINE float int4_row_bf16(const uint16_t *x, const uint8_t *q, const float *sca
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, shift));
 }
 #undef INT4_CHUNK_BF16
+
+/* int4_row_bf16 for GGUF's groups of 32, without the table: OR-ing a nibble q into 0x4300 gives the
+ * bf16 of 128 + q exactly (7 mantissa bits), and the 128 * sum(x_g) it adds comes off with the mins'
+ * part. Each 64 nibbles are used in the order the bytes hold them (inputs 0-15 and 32-47, then 16-31
+ * and 48-63), so x comes permuted to match (`permute_for_nibbles`): a dot product's lanes 0-7 then sum
+ * the first group and lanes 8-15 the second, each scaled by its own. No lookups or lane shuffles
+ * but the widening: SmolLM2's 120 layer projections at one row (Zen 5, the two builds alternated,
+ * medians) from DRAM 2.32 -> 2.06 ms, from the caches 2.23 -> 1.89; the one-row GGUF forward 3.8 -> 3.6. */
+INLINE float int4_row_bf16_g32(const uint16_t *xp, const uint8_t *q, const float *scales, const float *mins,
+                               const float *xsum, int K) {
+    const __m512i low = _mm512_set1_epi16(0x0f), offset = _mm512_set1_epi16(0x4300);
+    const int groups = K / 32;
+    __m512 acc = _mm512_setzero_ps();
+    int k = 0, g = 0;
+    for (; k + 64 <= K; k += 64, g += 2) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + k / 2)));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(bytes, low), offset);
+        const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), offset);
+        __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xp + k));
+        part = _mm512_dpbf16_ps(part, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xp + k + 32));
+        const __m512 scale = _mm512_mask_broadcastss_ps(_mm512_set1_ps(scales[g]), 0xff00, _mm_load_ss(scales + g + 1));
+        acc = _mm512_fmadd_ps(part, scale, acc);
+    }
+    if (k < K) { /* the last 32 inputs, in their own order */
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f))),
+                                             _mm256_srli_epi16(bytes, 4), 1);
+        const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_or_si512(v, offset),
+                                             (__m512bh)_mm512_loadu_si512(xp + k));
+        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scales[g]), acc);
+    }
+    __m512 shift = _mm512_setzero_ps(); /* sum_g (min_g - 128 scale_g) sum(x_g) */
+    for (int i = 0; i < groups; i += 16) {
+        const __mmask16 mask = groups - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - i)) - 1);
+        const __m512 per_group = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_maskz_loadu_ps(mask, scales + i),
+                                                  _mm512_maskz_loadu_ps(mask, mins + i));
+        shift = _mm512_fmadd_ps(per_group, _mm512_maskz_loadu_ps(mask, xsum + i), shift);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, shift));
+}
+
+/* x for int4_row_bf16_g32 (NULL: no memory): in each 64 inputs the second and third 16 swap places;
+ * a last 32 stay as they are. Freed by the caller. */
+static uint16_t *permute_for_nibbles(const uint16_t *x, int K) {
+    uint16_t *xp = malloc((size_t)K * sizeof *xp);
+    if (!xp) return 0;
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        memcpy(xp + k, x + k, 16 * sizeof *xp);
+        memcpy(xp + k + 16, x + k + 32, 16 * sizeof *xp);
+        memcpy(xp + k + 32, x + k + 16, 16 * sizeof *xp);
+        memcpy(xp + k + 48, x + k + 48, 16 * sizeof *xp);
+    }
+    memcpy(xp + k, x + k, (size_t)(K - k) * sizeof *xp);
+    return xp;
+}
 #endif
 
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
@@ -2440,6 +2496,11 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
 #if defined(__AVX512BF16__) /* AVX-512 CPUs without it (Skylake-SP to Ice Lake) take the tiles */
     if (M == 1 && dtype == DTYPE_BF16) {
         const int ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
+        uint16_t *xp = group == 32 ? permute_for_nibbles(x, K) : 0;
+        if (group == 32 && !xp) {
+            free(x32);
+            return -1;
+        }
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
         for (int n = 0; n < N; n++) {
             const uint8_t *qn = q + (int64_t)n * K / 2;
@@ -2449,11 +2510,10 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
                 prefetch_span(sn + (int64_t)ahead * groups, 4 * groups);
                 prefetch_span(mn + (int64_t)ahead * groups, 4 * groups);
             }
-            /* GGUF's groups of 32 as a constant: each chunk then scales without a counter */
-            const float v = group == 32 ? int4_row_bf16(x, qn, sn, mn, xsum, K, 32)
-                                        : int4_row_bf16(x, qn, sn, mn, xsum, K, group);
+            const float v = xp ? int4_row_bf16_g32(xp, qn, sn, mn, xsum, K) : int4_row_bf16(x, qn, sn, mn, xsum, K, group);
             store_output(y, n, v, bias, n, DTYPE_BF16);
         }
+        free(xp);
         free(x32);
         return 0;
     }
