@@ -312,20 +312,19 @@ static inline int64_t block_base(const struct attention_task *a, int b) {
 }
 
 /* The chunk of up to `chunk` tokens from token t within its cache block: how many, and where its first
- * K/V row starts (*base, elements). As the task begins, its first blocks are prefetched whole, each
- * block's rows in flight at once (an AVX2 step's cold caches at 16 x 100-240 tokens, with the 16-token
- * chunks, 7.5-20 -> 5.1-12.2 ms): `ahead` 0 (the AVX2 kernel) the first two, then each later block
- * whole as the block before it begins; else the first ahead + 1, the caller asking for each later
- * block a row at a time `ahead` blocks before it (`attend_shaped`). */
-static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype,
-                             const int ahead) {
+ * K/V row starts (*base, elements). As the task begins, its first BLOCKS_AHEAD + 1 blocks are asked for
+ * whole, each block's rows in flight at once (an AVX2 step's cold caches at 16 x 100-240 tokens, with
+ * the 16-token chunks, 7.5-20 -> 5.1-12.2 ms); the kernels ask for each later block a row at a time
+ * (`rows_ahead_of`). */
+#define BLOCKS_AHEAD 2
+static inline int next_chunk(const struct attention_task *a, int t, int chunk, int64_t *base, const int dtype) {
     const int in_block = t % a->block_size, block = t / a->block_size;
     int n = a->block_size - in_block;
     if (n > chunk) n = chunk;
     if (n > a->length - t) n = a->length - t;
     *base = ((int64_t)a->table[block] * a->block_size + in_block) * a->token_stride + a->kv_offset;
-    if ((in_block == 0 && !ahead) || t == a->start)
-        for (int b = t == a->start ? block : block + 1; b <= block + (ahead ? ahead : 1); b++) {
+    if (t == a->start)
+        for (int b = block; b <= block + BLOCKS_AHEAD; b++) {
             const int first = b * a->block_size;
             if (first >= a->length) break;
             prefetch_block(a, block_base(a, b), a->length - first < a->block_size ? a->length - first : a->block_size,
@@ -333,11 +332,23 @@ static inline int next_chunk(const struct attention_task *a, int t, int chunk, i
         }
     return n;
 }
+
+/* Where the rows BLOCKS_AHEAD blocks on from the chunk at t start (elements), to be asked for a row at
+ * a time while the chunk weighs V; -1 when t does not begin a block, there is no such block, or the
+ * task's start asked for it already (`next_chunk`). Asked for all at once as a block began, the
+ * prefetches held up the loads behind them (SmolLM2's shape, Zen 5, 16 x 1,000 tokens from DRAM:
+ * 13.5-14.6 -> 10.0-11.3 ns a token and KV head with the next block a row at a time; two blocks on,
+ * bf16 0.80-0.98x that; the AVX2 kernel, built for x86-64-v3 on the same CPU: 17.6-20.3 -> 11.3-12.5). */
+static inline int64_t rows_ahead_of(const struct attention_task *a, int t) {
+    const int ahead = t / a->block_size + BLOCKS_AHEAD;
+    const int begins = t % a->block_size == 0, exists = ahead * a->block_size < a->length;
+    const int asked_at_start = ahead * a->block_size <= a->start + BLOCKS_AHEAD * a->block_size;
+    return begins && exists && !asked_at_start ? block_base(a, ahead) : -1;
+}
 #endif
 
 #if defined(__AVX512F__)
 #define CHUNK 16 /* tokens whose scores are exponentiated together */
-#define BLOCKS_AHEAD 2 /* how far ahead the KV rows are asked for */
 
 /* Chunks of up to 16 tokens of one cache block: their scores (four tokens' dot products reduced at
  * once; bf16 caches multiply in bf16 pairs as stored, the scale applied to the sum, ~15 % faster than
@@ -377,16 +388,8 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype, BLOCKS_AHEAD);
-        /* The block BLOCKS_AHEAD on (unless asked for as the task began), a row a step of the V loop's
-         * first pass. Asked for all at once as a block began, the prefetches held up the loads behind
-         * them (SmolLM2's shape, Zen 5, 16 x 1,000 tokens from DRAM: 13.5-14.6 -> 10.0-11.3 ns a token
-         * and KV head with the next block a row at a time; two blocks on, bf16 0.80-0.98x that) */
-        const int next = t / a->block_size + BLOCKS_AHEAD;
-        const int64_t next_rows = t % a->block_size == 0 && next * a->block_size < a->length &&
-                                          next * a->block_size > a->start + BLOCKS_AHEAD * a->block_size
-                                      ? block_base(a, next)
-                                      : -1;
+        const int n = next_chunk(a, t, CHUNK, &base, dtype);
+        const int64_t next_rows = rows_ahead_of(a, t); /* a row a step of the V loop's first pass */
         float scores[MAX_GROUP][CHUNK];
 #if defined(__AVX512BF16__)
         if (in_pairs)
@@ -495,10 +498,11 @@ static void attend(const struct attention_task *a, const int dtype) {
 static inline __attribute__((always_inline)) void weigh_values(const struct attention_task *a, int64_t base,
                                                                int n, const float *probs, float correction,
                                                                float *sums, int c0, const int width,
-                                                               const int dtype, const int whole) {
+                                                               const int dtype, const int whole, int64_t next_rows) {
     __m256 acc[SLICE];
     for (int c = 0; c < width; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(sums + 8 * c), _mm256_set1_ps(correction));
     for (int j = 0; j < n; j++) {
+        if (next_rows >= 0) prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, a->head_dim);
         const __m256 p = _mm256_set1_ps(probs[j]);
         const int64_t row = base + (int64_t)j * a->token_stride + 8 * c0;
         for (int c = 0; c < width; c++)
@@ -522,7 +526,8 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
     }
     for (int t = a->start; t < a->length;) {
         int64_t base;
-        const int n = next_chunk(a, t, CHUNK, &base, dtype, 0);
+        const int n = next_chunk(a, t, CHUNK, &base, dtype);
+        const int64_t next_rows = rows_ahead_of(a, t); /* a row a step of the first head's first V pass */
         int64_t rows[CHUNK]; /* past the chunk: its last token again, dropped by `valid` */
         for (int u = 0; u < CHUNK; u++) rows[u] = base + (int64_t)(u < n ? u : n - 1) * a->token_stride;
         __m256 valid[CHUNK / 8];
@@ -557,9 +562,11 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
             row_sum[g] += hsum8(total);
             for (int c0 = 0; c0 < chunks; c0 += SLICE) {
                 if (chunks - c0 >= SLICE)
-                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, SLICE, dtype, whole);
+                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, SLICE, dtype, whole,
+                                 g == 0 && c0 == 0 ? next_rows : -1);
                 else
-                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, chunks - c0, dtype, whole);
+                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, chunks - c0, dtype, whole,
+                                 g == 0 && c0 == 0 ? next_rows : -1);
             }
         }
         t += n;
