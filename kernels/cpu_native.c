@@ -438,7 +438,7 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
                 __m512 s0 = acc[g0][c], s1 = heads > 1 ? acc[g0 + 1][c] : s0;
                 __m512 s2 = heads > 2 ? acc[g0 + 2][c] : s0, s3 = heads > 3 ? acc[g0 + 3][c] : s0;
                 for (int j = 0; j < n; j++) {
-                    if (c == 0 && g0 == 0 && next_rows >= 0) /* head_dim a constant: no loop in this one */
+                    if (c == 0 && g0 == 0 && next_rows >= 0) /* shaped: head_dim a constant, no loop here */
                         prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, head_dim);
                     const __m512 v = load16(a->v_cache, base + (int64_t)j * a->token_stride + 16 * c, tail[c], dtype);
                     s0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0][j]), v, s0);
