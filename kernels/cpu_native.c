@@ -290,10 +290,10 @@ static inline void keep_piece(const struct attention_task *a, int g, const float
 }
 
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
-/* A block's K and V rows of one KV head, `tokens` of them from `base` (elements), into L2 (into L1
- * they held its few miss buffers: 16 sequences' cold caches 151 -> 109 us a layer). In a decode
- * step the caches come from DRAM (the layer's weights went through the caches since): without this
- * each block's first reads wait for memory. */
+/* One token's K and V rows of the task's head, from `row_base` (elements), into L2 (into L1 they held
+ * its few miss buffers: 16 sequences' cold caches 151 -> 109 us a layer). In a decode step the caches
+ * come from DRAM (the layer's weights went through the caches since): without this each block's first
+ * reads wait for memory. Always inlined: the V loops call it, where a call would spill their sums. */
 INLINE void prefetch_row(const struct attention_task *a, int64_t row_base, const int dtype, const int head_dim) {
     const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, bytes = (int64_t)head_dim * elem, row = row_base * elem;
     for (int64_t line = 0; line < bytes; line += 64) {
@@ -302,6 +302,7 @@ INLINE void prefetch_row(const struct attention_task *a, int64_t row_base, const
     }
 }
 
+/* `tokens` rows of a block from `base`, all asked for at once. */
 static inline void prefetch_block(const struct attention_task *a, int64_t base, int tokens, const int dtype) {
     for (int j = 0; j < tokens; j++) prefetch_row(a, base + (int64_t)j * a->token_stride, dtype, a->head_dim);
 }
