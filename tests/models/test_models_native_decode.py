@@ -173,3 +173,22 @@ def test_a_cast_model_gets_its_new_weights_addresses(tiny_llama_dir):
     after = native._layers()
     assert after is not before and after.dtype == torch.bfloat16
     assert after.structs[0].qkv.weight == model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+
+
+def test_an_assigned_low_bit_copy_or_backend_is_read_at_the_next_step(tiny_llama_dir):
+    """The fused layers are kept between steps; a 4-bit copy or an attention backend assigned since
+    their build makes the next step build them anew (each step checks counters, not every layer)."""
+    model = load_model(tiny_llama_dir, dtype="float32").model
+    PagedHarness(model, block_size=8, num_blocks=4, seed=0)
+    native = model.model.native_decode
+    first = native._layers()
+    assert native._layers() is first  # nothing assigned: the same build
+    qkv = model.model.layers[-1].self_attn.qkv_proj
+    assert first.weights[-1].qkv.nibbles is None
+    _quantize_to_int4(qkv)
+    quantized = native._layers()
+    assert quantized is not first and quantized.weights[-1].qkv.nibbles is qkv.low_bit.nibbles
+    qkv.low_bit = None  # dropped by assignment, not through `quantize`
+    assert native._layers().weights[-1].qkv.nibbles is None
+    model.model.layers[0].self_attn.attn.backend = object()  # no native backend: the layers run op by op
+    assert native._layers() is None

@@ -19,12 +19,21 @@ class Linear(nn.Module):
     """y = x Wᵀ + b. W is a dense parameter (what checkpoints load into); `quantize` adds a low-bit
     copy of the same weight for the few-row steps where it wins (`layers/quantized.py`)."""
 
+    # Every assignment of `low_bit`, in any layer, counts here: the fused decode layers
+    # (`models/native_decode.py`) rebuild when it moves instead of reading 100+ layers' copies a step.
+    low_bit_assignments = 0
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.low_bit: Int4Weight | Int8Weight | None = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "low_bit":
+            Linear.low_bit_assignments += 1
+        super().__setattr__(name, value)
 
     def quantize(self, low_bit: Int4Weight | Int8Weight) -> None:
         if (low_bit.out_features, low_bit.in_features) != (self.out_features, self.in_features):
