@@ -66,6 +66,10 @@ kernel running almost all the time (90 % "utilised") while it uses a few % of th
 with a small model, well below the peak bandwidth: both readings are true. Batching more sequences
 per step raises the intensity (the weights are read once for all of them) and moves the steps
 toward the ridge; the KV-cache usage says how many more sequences fit.
+
+**Time outside the forwards** is the engine loop's busy time not spent in model forwards: scheduling,
+sampling, bookkeeping and handing each step's outputs to the server. While it is high the device
+waits on its host, whatever the roofline says.
 """
 
 
@@ -141,6 +145,22 @@ def roofline_panels(grid: Layout) -> None:
             ],
         ),
         width=7,
+    )
+    busy = per_pod_rate("pagoda_engine_busy_seconds_total")
+    grid.add(
+        timeseries(
+            "Engine loop: time outside the forwards",
+            "Shares of the engine loop's busy time (pagoda_engine_busy_seconds_total): not in model forwards "
+            "(1 - pagoda_step_forward_seconds_total / busy: scheduling, sampling, bookkeeping, the hand-off), "
+            "and handing each step's outputs to the server (pagoda_engine_handoff_seconds_total / busy).",
+            [
+                target(f"1 - {seconds} / {busy}", "{{pod}} outside the forwards", "A"),
+                target(f"{per_pod_rate('pagoda_engine_handoff_seconds_total')} / {busy}", "{{pod}} hand-off", "B"),
+            ],
+            "percentunit",
+            max_value=1,
+        ),
+        width=10,
     )
 
 

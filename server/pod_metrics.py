@@ -83,6 +83,17 @@ class _EngineCollector(Collector):
         yield _histogram("pagoda_iteration_tokens", "Tokens (prefill + decode) run in one engine step.",
                          steps.tokens, label)  # fmt: skip
         yield from _roofline_families(stats, label)
+        yield counter(
+            "pagoda_engine_busy_seconds",
+            "Wall time the engine loop spent on steps: scheduling, forwards, sampling and handing the outputs "
+            "to the server.",
+            stats.loop_busy_seconds_total,
+        )
+        yield counter(
+            "pagoda_engine_handoff_seconds",
+            "Wall time the engine loop spent handing steps' outputs to the server's event loop.",
+            stats.handoff_seconds_total,
+        )
         info = GaugeMetricFamily(
             "pagoda_engine_info",
             "Engine configuration (value is always 1).",

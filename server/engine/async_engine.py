@@ -80,6 +80,10 @@ class AsyncLLMEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stats = EngineStats()  # the engine's latest read, taken on the step thread
+        # The step loop's wall time with work, and the part of it spent handing outputs to the event
+        # loops (seconds, running totals: `EngineStats.loop_busy_seconds_total`, `handoff_seconds_total`)
+        self._busy_seconds = 0.0
+        self._handoff_seconds = 0.0
         # When the loop last finished a step or was idle (time.monotonic()): stall detection.
         self._last_progress = time.monotonic()
         # Readers of engine state (the KV views): served between two steps on the step thread.
@@ -292,6 +296,7 @@ class AsyncLLMEngine:
                         raise self._error
                     if self._stopping:
                         break
+                    busy_since = time.perf_counter()
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
                     # A request whose consumer already left is never enqueued.
@@ -311,11 +316,16 @@ class AsyncLLMEngine:
                             delivered.append((stream, output))
                             if output.finished:
                                 del self._streams[output.request_id]
+                    self._busy_seconds += time.perf_counter() - busy_since  # the step's part, in this refresh
                     self._refresh_stats()
                     self._last_progress = time.monotonic()
                     self._run_probes()
                 # Outside the lock: the woken loop starts new requests at once instead of waiting for it.
+                handoff_since = time.perf_counter()
                 _deliver_all(delivered)
+                handoff = time.perf_counter() - handoff_since
+                self._handoff_seconds += handoff  # in the next refresh
+                self._busy_seconds += handoff
         except BaseException as exc:  # the loop is dead: fail every waiting consumer
             logger.exception("engine loop failed")
             with self._lock:
@@ -332,7 +342,8 @@ class AsyncLLMEngine:
 
     def _refresh_stats(self) -> None:
         """Called with the lock held, from the step thread only (engine state does not move meanwhile)."""
-        self._stats = self.engine.stats()
+        stats = self._stats = self.engine.stats()
+        stats.loop_busy_seconds_total, stats.handoff_seconds_total = self._busy_seconds, self._handoff_seconds
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

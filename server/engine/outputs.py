@@ -160,3 +160,7 @@ class EngineStats:
     peak_flops_per_s: float = 0.0
     peak_source: str = ""
     last_step_roofline: dict | None = None
+    # The serving front's step loop (`async_engine.py`): wall time with work (every step's scheduling,
+    # forward, sampling and bookkeeping, and the hand-off), and the hand-off of outputs to the server
+    loop_busy_seconds_total: float = 0.0
+    handoff_seconds_total: float = 0.0

@@ -203,6 +203,11 @@ def test_the_load_moved_what_the_panels_show(loaded_prometheus):
     )
     assert 0.001 < bandwidth < 50, bandwidth
     assert value(f"sum(increase(pagoda_step_bound_total{{{sel}}}[1m]))") >= loaded_prometheus.requests_sent
+    # the engine loop: part of its busy time outside the forwards, the hand-off a part of that
+    busy = f"sum(rate(pagoda_engine_busy_seconds_total{{{sel}}}[{RATE_INTERVAL}]))"
+    outside = value(f"1 - sum(rate(pagoda_step_forward_seconds_total{{{sel}}}[{RATE_INTERVAL}])) / {busy}")
+    handoff = value(f"sum(rate(pagoda_engine_handoff_seconds_total{{{sel}}}[{RATE_INTERVAL}])) / {busy}")
+    assert 0 < handoff < outside < 1, (handoff, outside)
 
 
 def test_plot_serving_panels(loaded_prometheus, tmp_path):

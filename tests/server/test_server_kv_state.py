@@ -245,6 +245,16 @@ def test_metrics_export_the_step_roofline(server):
     assert metric_value(server.url, "pagoda_step_bandwidth_utilization_count") >= 8
 
 
+def test_metrics_export_the_engine_loops_busy_time_and_its_hand_off(server):
+    """The loop's busy time holds every forward (and the rest of each step), the hand-off is part of it."""
+    complete(server.url, server.state.model_name, "busy " * 20, max_tokens=8)
+    forward = metric_value(server.url, "pagoda_step_forward_seconds_total")
+    busy = metric_value(server.url, "pagoda_engine_busy_seconds_total")
+    handoff = metric_value(server.url, "pagoda_engine_handoff_seconds_total")
+    assert busy >= forward > 0
+    assert 0 < handoff < busy
+
+
 async def test_viewers_share_one_snapshot_rebuilt_as_often_as_it_is_cheap():
     builds = 0
 

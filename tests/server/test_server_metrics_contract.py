@@ -34,7 +34,7 @@ def test_documented_and_exported_names_agree():
     metrics.attach(lambda: stats)
     families = exported_families(metrics)
     assert documented_names() == set(families)
-    assert len(families) == 30
+    assert len(families) == 32
     for family in families.values():
         assert all(sample.labels.get("model_name") == "m" for sample in family.samples), family.name
 
