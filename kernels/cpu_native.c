@@ -562,12 +562,11 @@ static inline __attribute__((always_inline)) void attend_in(const struct attenti
             }
             row_sum[g] += hsum8(total);
             for (int c0 = 0; c0 < chunks; c0 += SLICE) {
+                const int64_t rows = g == 0 && c0 == 0 ? next_rows : -1; /* asked for in the first pass only */
                 if (chunks - c0 >= SLICE)
-                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, SLICE, dtype, whole,
-                                 g == 0 && c0 == 0 ? next_rows : -1);
+                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, SLICE, dtype, whole, rows);
                 else
-                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, chunks - c0, dtype, whole,
-                                 g == 0 && c0 == 0 ? next_rows : -1);
+                    weigh_values(a, base, n, probs, correction, sums[g] + 8 * c0, c0, chunks - c0, dtype, whole, rows);
             }
         }
         t += n;

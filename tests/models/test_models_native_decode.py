@@ -177,7 +177,8 @@ def test_a_cast_model_gets_its_new_weights_addresses(tiny_llama_dir):
 
 def test_an_assigned_low_bit_copy_or_backend_is_read_at_the_next_step(tiny_llama_dir):
     """The fused layers are kept between steps; a 4-bit copy or an attention backend assigned since
-    their build makes the next step build them anew (each step checks counters, not every layer)."""
+    their build makes the next step build them anew (each step counts the copies' assignments instead of
+    reading every layer's)."""
     model = load_model(tiny_llama_dir, dtype="float32").model
     PagedHarness(model, block_size=8, num_blocks=4, seed=0)
     native = model.model.native_decode

@@ -22,9 +22,6 @@ def use_backend(model: nn.Module, backend: AttentionBackend) -> None:
 
 
 class PagedAttention(nn.Module):
-    # Every assignment of `backend` counts here (as `Linear.low_bit_assignments`, for the fused decode layers).
-    backend_assignments = 0
-
     def __init__(
         self,
         num_heads: int,
@@ -40,11 +37,6 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None  # set by `use_backend`
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "backend":
-            PagedAttention.backend_assignments += 1
-        super().__setattr__(name, value)
 
     def forward(
         self,

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from pagoda.kernels import cpu_native
 from pagoda.kernels.cpu_backend import PER_TOKEN, TILED, CpuBackend
 from pagoda.server.engine.attention_metadata import AttentionMetadata
-from pagoda.server.engine.layers.attention import PagedAttention
 from pagoda.server.engine.layers.linear import Linear
 
 if TYPE_CHECKING:
@@ -88,13 +87,14 @@ class NativeDecode:
         return prefill, tables, torch.cat([lens for _, lens in parts])
 
     def _layers(self) -> cpu_native.DecodeLayers | None:
-        """Built anew when an attention backend or a low-bit copy was assigned since, or the weights
-        moved (tests swap the first two; a model moved or cast gets new tensors, whose addresses the
-        call must read anew). Checked every step: counters, not the 100+ layers (0.2-0.3 ms a step)."""
+        """Built once per attention backend, set of low-bit weights and weight storage (tests swap the
+        first two; a model moved or cast gets new tensors, whose addresses the call must read anew).
+        The low-bit copies are submodules: reading 100+ of them a step took 0.2-0.3 ms, so their
+        assignments are counted instead (`Linear.low_bit_assignments`)."""
+        backends = tuple(attention.backend for attention in self._attentions)
         storage = (self._linears[0].weight.data_ptr(), self._linears[-1].weight.data_ptr())
-        key = (PagedAttention.backend_assignments, Linear.low_bit_assignments, *storage)
+        key = (*map(id, backends), Linear.low_bit_assignments, *storage)
         if self._built is None or self._built[0] != key:
-            backends = tuple(attention.backend for attention in self._attentions)
             self._built = (key, self._build(backends))
         return self._built[1]
 
