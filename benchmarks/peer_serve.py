@@ -37,6 +37,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -352,7 +353,7 @@ def floor_lines(found: list[Server], folder: Path, bandwidths: list[float]) -> l
             for (tpot, around), r in zip(runs, ratios, strict=True)
         )
         lines.append(
-            f"{server.label}, 1 stream: {sorted(ratios)[len(ratios) // 2]:.2f}x the weight-read floor, median of "
+            f"{server.label}, 1 stream: {statistics.median_high(ratios):.2f}x the weight-read floor, median of "
             f"its runs ({params / 1e6:.0f}M weights; each run against the DRAM read just before / after it: "
             f"{cells})"
         )
@@ -403,12 +404,12 @@ def markdown(found: list[Server], offline: dict | None) -> str:
         served = by_label[GGUF_DEFAULTS].results[WORKLOADS[0].name]
         http, alone = served["output_throughput"], offline["offline_output_throughput"]
         runs_both = list(zip(served["runs_output_throughput"], offline["runs_offline_output_throughput"], strict=True))
-        ratios = sorted(a / b for a, b in runs_both)
+        paired = statistics.median_high(a / b for a, b in runs_both)
         runs = " / ".join(f"{a:.1f} vs {b:.1f} = {a / b:.2f}" for a, b in runs_both)
         lines += [
             "",
             f"HTTP / offline ({WORKLOADS[0].name}, default threads, {WORKLOADS[0].runs} runs, each served run "
-            f"against the offline run of its prompts right after it): {ratios[len(ratios) // 2]:.2f}, the median "
+            f"against the offline run of its prompts right after it): {paired:.2f}, the median "
             f"of the runs' ratios ({runs}); the medians' ratio {http:.1f} / {alone:.1f} tok/s = {http / alone:.2f}. "
             f"In the median served run of {served['duration_s']:.2f} s the client used "
             f"{served['client_cpu_s']:.2f} s of CPU and the server's event loop "
