@@ -93,7 +93,8 @@ class NativeDecode:
         assignments are counted instead (`Linear.low_bit_assignments`)."""
         backends = tuple(attention.backend for attention in self._attentions)
         storage = (self._linears[0].weight.data_ptr(), self._linears[-1].weight.data_ptr())
-        key = (*map(id, backends), Linear.low_bit_assignments, *storage)
+        # The backends themselves, not their ids: a freed one's id can come back as a new backend's.
+        key = (*backends, Linear.low_bit_assignments, *storage)
         if self._built is None or self._built[0] != key:
             self._built = (key, self._build(backends))
         return self._built[1]
