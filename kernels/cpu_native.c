@@ -435,8 +435,8 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
             /* Token by token, all of the group's sums at once: a token's V row is loaded once and
              * feeds group * chunks FMAs that do not wait on each other (a slice at a time, below, each
              * sum's FMAs wait on each other token after token). Zen 5, SmolLM2's shape, 30 layers from
-             * cold caches, 16-64 sequences of 100-2,000 tokens: bf16 0.77-0.95x the time, fp32
-             * 0.76-0.97x, the same outputs bit for bit (`kernel_ab.py --attention`, four runs). More
+             * cold caches, 16-64 sequences of 100-2,000 tokens: bf16 0.79-0.95x the time, fp32
+             * 0.76-0.97x, the same outputs bit for bit (`kernel_ab.py --attention`, three runs). More
              * sums than that: the loop below, four at a time in registers. */
             for (int j = 0; j < n; j++) {
                 const int64_t row = base + (int64_t)j * a->token_stride;
