@@ -431,46 +431,22 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
             row_sum[g] += _mm512_reduce_add_ps(e);
             _mm512_storeu_ps(probs[g], e);
         }
-        if (whole && group * chunks <= 12) {
-            /* Token by token, all of the group's sums at once: a token's V row is loaded once and
-             * feeds group * chunks FMAs that do not wait on each other (a slice at a time, below, each
-             * sum's FMAs wait on each other token after token). Zen 5, SmolLM2's shape, 30 layers from
-             * cold caches, 16-64 sequences of 100-2,000 tokens: bf16 0.79-0.95x the time, fp32
-             * 0.76-0.97x, the same outputs bit for bit (`kernel_ab.py --attention`, three runs). More
-             * sums than that: the loop below, four at a time in registers. */
-            for (int j = 0; j < n; j++) {
-                const int64_t row = base + (int64_t)j * a->token_stride;
-                if (next_rows >= 0) prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, head_dim);
-                for (int c = 0; c < chunks; c++) {
-                    const __m512 v = load16(a->v_cache, row + 16 * c, tail[c], dtype);
-                    for (int g = 0; g < group; g++)
-                        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);
-                }
+        /* Token by token, all of the group's sums: a token's V row is loaded once and feeds group *
+         * chunks FMAs that do not wait on each other. A 16-dim slice at a time, each sum's FMAs had
+         * waited on each other token after token. Zen 5, caches from DRAM, 16-64 sequences of
+         * 100-2,000 tokens, the same outputs bit for bit: SmolLM2's shape (3 query heads of 64 per KV
+         * head) bf16 0.79-0.95x the time, fp32 0.76-0.97x (`kernel_ab.py --attention`, three runs);
+         * Llama 3 8B's (4 of 128) 0.59-0.65x and 0.72-0.76x; 1-8 query heads of 64 or 128 per KV
+         * head 0.67-0.98x and 0.60-0.89x. */
+        for (int j = 0; j < n; j++) {
+            const int64_t row = base + (int64_t)j * a->token_stride;
+            if (next_rows >= 0) prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, head_dim);
+            for (int c = 0; c < chunks; c++) {
+                const __m512 v = load16(a->v_cache, row + 16 * c, tail[c], dtype);
+                for (int g = 0; g < group; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][j]), v, acc[g][c]);
             }
-            t += n;
-            continue;
         }
-        /* 16 dims of up to four heads' sums at a time, in registers through the chunk's tokens: each V
-         * slice is loaded once for the four, and no sum goes back to memory per token */
-        for (int c = 0; c < chunks; c++)
-            for (int g0 = 0; g0 < group; g0 += 4) {
-                const int heads = group - g0 < 4 ? group - g0 : 4;
-                __m512 s0 = acc[g0][c], s1 = heads > 1 ? acc[g0 + 1][c] : s0;
-                __m512 s2 = heads > 2 ? acc[g0 + 2][c] : s0, s3 = heads > 3 ? acc[g0 + 3][c] : s0;
-                for (int j = 0; j < n; j++) {
-                    if (c == 0 && g0 == 0 && next_rows >= 0) /* shaped: head_dim a constant, no loop here */
-                        prefetch_row(a, next_rows + (int64_t)j * a->token_stride, dtype, head_dim);
-                    const __m512 v = load16(a->v_cache, base + (int64_t)j * a->token_stride + 16 * c, tail[c], dtype);
-                    s0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0][j]), v, s0);
-                    if (heads > 1) s1 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0 + 1][j]), v, s1);
-                    if (heads > 2) s2 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0 + 2][j]), v, s2);
-                    if (heads > 3) s3 = _mm512_fmadd_ps(_mm512_set1_ps(probs[g0 + 3][j]), v, s3);
-                }
-                acc[g0][c] = s0;
-                if (heads > 1) acc[g0 + 1][c] = s1;
-                if (heads > 2) acc[g0 + 2][c] = s2;
-                if (heads > 3) acc[g0 + 3][c] = s3;
-            }
         t += n;
     }
     for (int g = 0; g < group; g++) {
@@ -489,8 +465,8 @@ static inline __attribute__((always_inline)) void attend_shaped(const struct att
 /* attend with common shapes' group and head size as constants (each one more instance to compile):
  * the queries stay in registers and the loops unroll, where the generic ones keep them in memory
  * (16 sequences of 60-500 tokens, cold caches, 30 layers, Sapphire Rapids class: fp32 8-11 % and bf16
- * 4-6 % faster; at 150 tokens fp32 7.1-7.4 -> 6.5-6.7 ms). The V rows' sums four heads at a time in
- * registers through a chunk, the scores stored four at once, and no fp32 query in a bf16 instance:
+ * 4-6 % faster; at 150 tokens fp32 7.1-7.4 -> 6.5-6.7 ms). The scores stored four at once and no fp32
+ * query in a bf16 instance (with the V pass of that time, a slice of four heads' sums at a time):
  * Zen 5, SmolLM2's shape, 30 layers from cold caches, 1-64 sequences of 100-2,000 tokens, bf16
  * 0.76-0.93x the time, fp32 0.81-0.98x, the same outputs bit for bit (`kernel_ab.py --attention`). */
 static void attend(const struct attention_task *a, const int dtype) {
