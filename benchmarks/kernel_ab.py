@@ -12,10 +12,11 @@ median per build.
 The embedded GGUF model is the default (`--model` unset). Whole-run throughput on this kind of
 shared host moves by ±10 % between runs minutes apart; alternating steps cancels most of that.
 
-`--attention` times the decode attention alone instead: SmolLM2's shape (9 query / 3 KV heads of 64),
-30 layers of their own blocks in a cache too large for any CPU cache, 1-64 sequences of 100-8,000
-tokens, both dtypes, the two builds taking turns, and tells whether they give the same outputs bit for bit
-(a change in the order of the sums shows there).
+`--attention` times the decode attention alone instead: SmolLM2's shape (9 query / 3 KV heads of 64)
+or the ones `--heads` names (`32/8x128`: Llama 3 8B's), 30 layers of their own blocks for SmolLM2 (other
+shapes as many layers as read the same bytes per token) in a cache too large for any CPU cache, 1-64
+sequences of 100-8,000 tokens, both dtypes, the two builds taking turns, and tells whether they give the
+same outputs bit for bit (a change in the order of the sums shows there).
 """
 
 from __future__ import annotations
@@ -65,37 +66,61 @@ def median_ms(times: list[float]) -> float:
 
 # sequences, tokens (one or two long contexts: the pieces the threads share)
 ATTENTION_SHAPES = [(1, 256), (1, 2000), (1, 8000), (2, 1000), (16, 100), (16, 256), (16, 2000), (64, 256)]
+# SmolLM2's 30 layers of 3 KV heads of 64: each shape gets as many layers as read its bytes per token
+SMOLLM2_LAYERS, SMOLLM2_KV_WIDTH = 30, 3 * 64
 
 
-def attention_ab(builds: dict, before: str, layers: int = 30, rounds: int = 8) -> None:
+def parse_heads(text: str) -> list[tuple[int, int, int]]:
+    """Attention shapes from e.g. "9/3x64,32/8x128": query heads / KV heads x head size each."""
+    shapes = []
+    for item in text.split(","):
+        heads, _, head_dim = item.partition("x")
+        query_heads, _, kv_heads = heads.partition("/")
+        shapes.append((int(query_heads), int(kv_heads), int(head_dim)))
+    return shapes
+
+
+def attention_ab(builds: dict, before: str, heads: list[tuple[int, int, int]], rounds: int = 8) -> None:
     import torch
     from pagoda.kernels import cpu_native
 
     generator = torch.Generator().manual_seed(0)
-    print(f"decode attention, kernels at {before} (before) vs the working tree (after), {layers} layers, medians")
-    print("| dtype | sequences x tokens | before ms | after ms | after / before | same outputs |")
-    print("|---|---|---|---|---|---|")
-    for dtype in (torch.bfloat16, torch.float32):
-        for seqs, tokens in ATTENTION_SHAPES:
-            width = tokens // 16 + 1
-            num_blocks = seqs * width * layers
-            k_cache, v_cache = (torch.randn(num_blocks, 16, 3, 64, generator=generator).to(dtype) for _ in "kv")
-            blocks = torch.randperm(num_blocks, generator=generator).int().view(layers, seqs, width)
-            lens = torch.full((seqs,), tokens, dtype=torch.int32)
-            query = torch.randn(seqs, 9, 64, generator=generator).to(dtype)
-            times, outputs = collections.defaultdict(list), {}
-            for turn in range(rounds):
-                for name in ("before", "after") if turn % 2 else ("after", "before"):
-                    cpu_native._library = builds[name]
-                    started = time.perf_counter()
-                    for table in blocks:
-                        outputs[name] = cpu_native.paged_decode_attention(
-                            query, k_cache, v_cache, table, lens, 0.125, None
-                        )
-                    times[name].append(time.perf_counter() - started)
-            old, new = median_ms(times["before"]), median_ms(times["after"])
-            same = torch.equal(outputs["before"], outputs["after"])
-            print(f"| {str(dtype)[6:]} | {seqs} x {tokens} | {old:.2f} | {new:.2f} | {new / old:.2f}x | {same} |")
+    print(f"decode attention, kernels at {before} (before) vs the working tree (after), medians")
+    print(
+        "| heads: query / KV x size | dtype | sequences x tokens | before ms | after ms | after / before | same |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for num_heads, num_kv_heads, head_dim in heads:
+        layers = max(1, round(SMOLLM2_LAYERS * SMOLLM2_KV_WIDTH / (num_kv_heads * head_dim)))
+        label = f"{num_heads} / {num_kv_heads} x {head_dim}, {layers} layers"
+        for dtype in (torch.bfloat16, torch.float32):
+            for seqs, tokens in ATTENTION_SHAPES:
+                width = tokens // 16 + 1
+                num_blocks = seqs * width * layers
+                k_cache, v_cache = (
+                    torch.randn(num_blocks, 16, num_kv_heads, head_dim, generator=generator).to(dtype)
+                    for _ in "kv"
+                )
+                blocks = torch.randperm(num_blocks, generator=generator).int().view(layers, seqs, width)
+                lens = torch.full((seqs,), tokens, dtype=torch.int32)
+                query = torch.randn(seqs, num_heads, head_dim, generator=generator).to(dtype)
+                times, outputs = collections.defaultdict(list), {}
+                for turn in range(rounds):
+                    for name in ("before", "after") if turn % 2 else ("after", "before"):
+                        cpu_native._library = builds[name]
+                        started = time.perf_counter()
+                        for table in blocks:
+                            outputs[name] = cpu_native.paged_decode_attention(
+                                query, k_cache, v_cache, table, lens, head_dim**-0.5, None
+                            )
+                        times[name].append(time.perf_counter() - started)
+                old, new = median_ms(times["before"]), median_ms(times["after"])
+                same = torch.equal(outputs["before"], outputs["after"])
+                print(
+                    f"| {label} | {str(dtype)[6:]} | {seqs} x {tokens} | {old:.2f} | {new:.2f} | {new / old:.2f}x "
+                    f"| {same} |",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -106,9 +131,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=6, help="workload runs (prompt sets 0, 1, 2, 0, ...)")
     parser.add_argument("--workload", default="c16", help="a peer_serve workload by the start of its name")
     parser.add_argument("--attention", action="store_true", help="time the decode attention alone")
+    parser.add_argument(
+        "--heads", default="9/3x64", type=parse_heads,
+        help="--attention's shapes: query heads / KV heads x head size, comma-separated (e.g. 32/8x128)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.attention:
-        attention_ab(load_both(args.before), args.before)
+        attention_ab(load_both(args.before), args.before, args.heads)
         return
 
     from pagoda.kernels import cpu_native
