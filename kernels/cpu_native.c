@@ -1401,6 +1401,13 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * its hardware prefetcher alone left the one-row kernels at 60-75 % of that (Sapphire Rapids class,
  * SmolLM2 at one row: bf16 layers + head 14.8 -> 10.3-11.0 ms, the 4-bit layers 12.4 -> 6.8 ms). */
 #define ROW_AHEAD_BYTES 16384
+/* Past this many bytes of rows, each output tile would read x from L2 again: two output tiles then
+ * take each row tile in turn, so the second finds its rows in L1. Zen 5, SmolLM2's projections from
+ * DRAM at 16-128 rows: bf16's down projection (x of 48-384 KB) 0.85-0.96x the time, fp32's 576-input
+ * ones 0.78-0.95x; the engine's 12-16-row steps of the c16 workload fp32 0.85x, bf16 0.94-0.97x
+ * (`kernel_ab.py`, twice each). Below it, two tiles' weight streams at once cost (bf16, 576 inputs at
+ * 8-16 rows: 1.14-1.24x the time). */
+#define X_IN_L1_BYTES 32768
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
@@ -1421,29 +1428,30 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         const int tiles = (N + TILE - 1) / TILE;                                                        \
         const int row_tiles = (M + TILE - 1) / TILE, share = (TILE + row_tiles - 1) / row_tiles;        \
         const int tiles_ahead = row_tiles == 1 ? 1 : 2; /* the tile whose weights are prefetched */     \
+        const int pair = (int64_t)M * K * (int64_t)sizeof(T) > X_IN_L1_BYTES ? 2 : 1;                  \
         _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                           \
-        for (int tile = 0; tile < tiles; tile++) {                                                      \
-            const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                              \
-            const WT *wn = w + (int64_t)n0 * K;                                                          \
-            const T *bn = bias ? bias + n0 : 0;                                                         \
-            const WT *ahead = tile + tiles_ahead < tiles ? wn + (int64_t)tiles_ahead * TILE * K : 0;    \
-            const int beyond = N - n0 - tiles_ahead * TILE, ahead_rows = beyond < TILE ? beyond : TILE; \
-            for (int m0 = 0; m0 < M; m0 += TILE) {                                                      \
-                const int MB = M - m0 < TILE ? M - m0 : TILE;                                            \
-                const T *xm = x + (int64_t)m0 * K;                                                      \
-                T *ym = y + (int64_t)m0 * N + n0;                                                       \
-                /* one row tile asks for the next tile; more share the tile after the next, each its */ \
-                /* rows of it a line per step, so the stream runs through all of the tile's arithmetic */ \
-                /* (the first row tile asking for all of it: fp32 at 16 rows 29.0 -> 25.3 ms for */     \
-                /* SmolLM2's weights, Sapphire Rapids class; lines asked for twice cost 3-14 %) */       \
-                const int first = m0 / TILE * share, left = ahead_rows - first;                         \
-                const int pf_rows = left < share ? left : share;                                        \
-                const WT *pf = ahead && pf_rows > 0 ? ahead + (int64_t)first * K : 0;                   \
-                switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */   \
-                    TILE_CASES(tile_fn)                                                                 \
+        for (int first_tile = 0; first_tile < tiles; first_tile += pair)                                \
+            for (int m0 = 0; m0 < M; m0 += TILE)                                                        \
+                for (int tile = first_tile; tile < first_tile + pair && tile < tiles; tile++) {          \
+                    const int n0 = tile * TILE, NB = N - n0 < TILE ? N - n0 : TILE;                      \
+                    const int MB = M - m0 < TILE ? M - m0 : TILE;                                        \
+                    const WT *wn = w + (int64_t)n0 * K;                                                  \
+                    const T *bn = bias ? bias + n0 : 0, *xm = x + (int64_t)m0 * K;                      \
+                    T *ym = y + (int64_t)m0 * N + n0;                                                   \
+                    /* one row tile asks for the next tile; more share the tile after the next, each */ \
+                    /* its rows of it a line per step, so the stream runs through all of the tile's */  \
+                    /* arithmetic (the first row tile asking for all of it: fp32 at 16 rows 29.0 -> */  \
+                    /* 25.3 ms for SmolLM2's weights, Sapphire Rapids class; lines asked for twice */   \
+                    /* cost 3-14 %) */                                                                  \
+                    const WT *ahead = tile + tiles_ahead < tiles ? wn + (int64_t)tiles_ahead * TILE * K : 0; \
+                    const int beyond = N - n0 - tiles_ahead * TILE;                                      \
+                    const int first = m0 / TILE * share, left = (beyond < TILE ? beyond : TILE) - first; \
+                    const int pf_rows = left < share ? left : share;                                    \
+                    const WT *pf = ahead && pf_rows > 0 ? ahead + (int64_t)first * K : 0;               \
+                    switch (MB * 8 + NB) { /* constant tile sizes: the accumulators stay in registers */ \
+                        TILE_CASES(tile_fn)                                                             \
+                    }                                                                                   \
                 }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
         return 0;                                                                                       \
     }
 #define TILE_CASE(tile_fn, mb, nb) \
