@@ -1406,8 +1406,13 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * DRAM at 16-128 rows: bf16's down projection (x of 48-384 KB) 0.85-0.96x the time, fp32's 576-input
  * ones 0.78-0.95x; the engine's 12-16-row steps of the c16 workload fp32 0.85x, bf16 0.94-0.97x
  * (`kernel_ab.py`, twice each). Below it, two tiles' weight streams at once cost (bf16, 576 inputs at
- * 8-16 rows: 1.14-1.24x the time). */
+ * 8-16 rows: 1.14-1.24x the time). The AVX2 tier (the x86-64-v3 build on Zen 5) never pairs: its
+ * down projection paired at 6-11 rows took 1.03-1.07x the time. */
+#if defined(__AVX512F__)
 #define X_IN_L1_BYTES 32768
+#else
+#define X_IN_L1_BYTES INT64_MAX
+#endif
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
