@@ -11,7 +11,8 @@ from pagoda.server.engine import huge_pages
 
 
 class TiedModel(torch.nn.Module):
-    """An embedding tied to its LM head (as SmolLM2's), one more projection, a large buffer, a small one."""
+    """An embedding tied to its LM head (as SmolLM2's), one more projection, buffers large, mid-sized and
+    small."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -21,6 +22,7 @@ class TiedModel(torch.nn.Module):
         self.tied = torch.nn.Linear(256, 4096, bias=False)
         self.tied.weight = self.embed.weight
         self.register_buffer("table", torch.randn(1024, 512))
+        self.register_buffer("mid", torch.randn(128, 256))  # 128 KiB: a small model's projection
         self.register_buffer("small", torch.randn(16))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,7 @@ def test_large_tensors_move_into_one_huge_page_mapping() -> None:
 
     moved = huge_pages.move_to_huge_pages(model)
 
-    large = [model.embed.weight, model.proj.weight, model.head.weight, model.table]
+    large = [model.embed.weight, model.proj.weight, model.head.weight, model.table, model.mid]
     assert moved == sum(t.numel() * t.element_size() for t in large)
     assert model.tied.weight is model.embed.weight  # still one Parameter
     assert isinstance(model.embed.weight, torch.nn.Parameter) and model.embed.weight.requires_grad
