@@ -1416,9 +1416,10 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
  * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
- * a sequential stream per thread, where a tile's four interleaved rows plus the tile prefetch
- * reached 75-85 % of a plain read (Zen 4, SmolLM2's layers at one row: bf16 8.3 -> 7.1 ms, fp32
- * 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row ROW_AHEAD_BYTES on is prefetched.
+ * a sequential stream per thread (its share of the rows in one static run), where a tile's four
+ * interleaved rows plus the tile prefetch reached 75-85 % of a plain read (Zen 4, SmolLM2's layers at
+ * one row: bf16 8.3 -> 7.1 ms, fp32 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row
+ * ROW_AHEAD_BYTES on is prefetched where that pays (`dense_rows_ahead`).
  * (The AVX2 tier reads one row in several streams per thread instead: `one_row_linear`.) */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
@@ -1502,9 +1503,10 @@ static inline int rows_ahead(int64_t row_bytes) { return (int)(ROW_AHEAD_BYTES /
 
 /* Except the dense ones on AMD: there the L2 streamer alone keeps a thread's run of rows coming, and
  * the extra requests slow it. Zen 5, SmolLM2's projections and head at one row, bf16, medians while a
- * plain read ran 51 GB/s: 47.1 GB/s without against 38.6 with, at 33 GB/s 32.7 against 31.1; in the
- * engine (`kernel_ab.py --workload single`) one-row steps bf16 0.94x, fp32 0.91x, fp32 on bf16
- * weights 0.94x. The 4-bit rows, more arithmetic per byte, keep theirs (without: 1.03x). */
+ * plain read ran 51 GB/s: 47.1 GB/s without against 38.6 with (44.7 without, the rows split guided),
+ * at 33 GB/s 32.7 against 31.1; in the engine (`kernel_ab.py --workload single`) one-row steps bf16
+ * 0.84-0.94x, fp32 0.91x, fp32 on bf16 weights 0.94x. The low-bit rows, more arithmetic per byte,
+ * keep theirs (the 4-bit ones without: 1.03x). */
 static inline int dense_rows_ahead(int64_t row_bytes) {
     return __builtin_cpu_is("amd") ? INT32_MAX / 2 : rows_ahead(row_bytes);
 }
