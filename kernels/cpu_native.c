@@ -1415,20 +1415,32 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
 #endif
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
- * One row reuses nothing, so it reads each weight row start to end instead, one output at a time:
- * a sequential stream per thread (its share of the rows in one static run), where a tile's four
- * interleaved rows plus the tile prefetch reached 75-85 % of a plain read (Zen 4, SmolLM2's layers at
- * one row: bf16 8.3 -> 7.1 ms, fp32 15.6 -> 10.4 ms; at two rows the tiles are ahead), and the row
- * ROW_AHEAD_BYTES on is prefetched where that pays (`dense_rows_ahead`).
- * (The AVX2 tier reads one row in several streams per thread instead: `one_row_linear`.) */
+ * One row reuses nothing, so it reads each weight row start to end instead, one output at a time,
+ * each thread its static share of the rows (a tile's four interleaved rows plus the tile prefetch
+ * reached 75-85 % of a plain read: Zen 4, SmolLM2's layers at one row bf16 8.3 -> 7.1 ms, fp32 15.6 ->
+ * 10.4 ms; at two rows the tiles are ahead): in ROW_STREAMS runs side by side where the L2 streamer
+ * carries them (`streamer_carries_rows`), else in one run with the row ROW_AHEAD_BYTES on prefetched.
+ * (The AVX2 tier's `one_row_linear` walks its runs within one pass, the input loaded once for them.) */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
+    /* output n of one row; the row `ahead` on prefetched a line per step (the tile's own prefetch) */  \
+    INLINE void name##_row(const T *x, const WT *w, const T *bias, T *y, int n, int N, int K, int ahead) { \
+        tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,                          \
+                n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1);                                  \
+    }                                                                                                   \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
         if (M == 1) {                                                                                   \
-            const int ahead = dense_rows_ahead(K * (int64_t)sizeof(WT));                                \
-            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                       \
-            for (int n = 0; n < N; n++) /* the row ahead a line per step: the tile's own prefetch */    \
-                tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,                  \
-                        n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1);                          \
+            const int carried = streamer_carries_rows(), runs = carried ? ROW_STREAMS : 1;             \
+            const int ahead = carried ? N : rows_ahead(K * (int64_t)sizeof(WT));                        \
+            _Pragma("omp parallel num_threads(num_threads)")                                            \
+            {                                                                                           \
+                const int t = omp_get_thread_num(), team = omp_get_num_threads();                       \
+                const int lo = (int)((int64_t)N * t / team), hi = (int)((int64_t)N * (t + 1) / team);   \
+                const int part = (hi - lo) / runs;                                                      \
+                for (int n = lo; n < lo + part; n++)                                                    \
+                    for (int run = 0; run < runs; run++)                                                \
+                        name##_row(x, w, bias, y, n + run * part, N, K, ahead);                         \
+                for (int n = lo + runs * part; n < hi; n++) name##_row(x, w, bias, y, n, N, K, ahead);  \
+            }                                                                                           \
             return 0;                                                                                   \
         }                                                                                               \
         const int tiles = (N + TILE - 1) / TILE;                                                        \
@@ -1501,15 +1513,21 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
  * bf16), the low-bit ones the whole row before computing one (`prefetch_span`). */
 static inline int rows_ahead(int64_t row_bytes) { return (int)(ROW_AHEAD_BYTES / row_bytes) + 1; }
 
-/* Except the dense ones on AMD: there the L2 streamer alone keeps a thread's run of rows coming, and
- * the extra requests slow it. Zen 5, SmolLM2's projections and head at one row, bf16, medians while a
- * plain read ran 51 GB/s: 47.1 GB/s without against 38.6 with (44.7 without, the rows split guided),
- * at 33 GB/s 32.7 against 31.1; in the engine (`kernel_ab.py --workload single`) one-row steps bf16
- * 0.84-0.94x, fp32 0.91x, fp32 on bf16 weights 0.94x. The low-bit rows, more arithmetic per byte,
- * keep theirs (the 4-bit ones without: 1.03x). */
-static inline int dense_rows_ahead(int64_t row_bytes) {
-    return __builtin_cpu_is("amd") ? INT32_MAX / 2 : rows_ahead(row_bytes);
-}
+/* ---- One row: several weight streams per thread ----------------------------------------------
+ * A one-row step reads every weight once, so the weight stream bounds it. One sequential stream per
+ * core read 29-31 GB/s on Zen 3, where a plain read walking four places of its share at once read
+ * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So a thread cuts its
+ * share of the outputs into ROW_STREAMS runs and takes a row of each in turn. Software prefetch on top
+ * made the four streams 2-5 % slower there. On a Sapphire Rapids class Xeon the AVX-512 tier's one
+ * stream with its prefetch stayed ahead (four streams 1.02-1.15x slower), so there it stays. */
+#define ROW_STREAMS 4
+
+/* Whether the dense one-row kernels leave their rows to the L2 streamer, in ROW_STREAMS runs: on AMD.
+ * Zen 5, SmolLM2's projections and head at one row, bf16, a plain read at 50 GB/s: one run without
+ * prefetch 41.9-47.1 GB/s against 38.6 with it, four runs 49.5 (1.19x one run, the medians of 166
+ * trials); at 33 GB/s 30.5-33.2 either way, 31.1 with the prefetch. The low-bit rows, more arithmetic
+ * per byte, keep their prefetch everywhere (the 4-bit ones without: 1.03x). */
+static inline int streamer_carries_rows(void) { return __builtin_cpu_is("amd"); }
 
 static inline void prefetch_span(const void *start, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)start + at, _MM_HINT_T2);
@@ -1910,17 +1928,10 @@ DEFINE_LINEAR(dot_linear_bf16, uint16_t, uint16_t, tile_bf16)
 DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 
-/* ---- One row: several weight streams per thread ----------------------------------------------
- * A one-row step reads every weight once, so the weight stream bounds it. One sequential stream per
- * core read 29-31 GB/s on Zen 3, where a plain read walking four places of its share at once read
- * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So each thread
- * takes a contiguous share of the outputs, cuts it into ROW_STREAMS parts, and runs one pass over
- * an output of each part at a time: four weight rows far apart read side by side, the input loaded
- * once for them. SmolLM2's layers + head at one row, bf16: 7.7-8.2 -> 7.3-7.6 ms (best of 11, the
- * two builds alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per
- * core. No software prefetch: it made the four streams 2-5 % slower. (On a Sapphire Rapids class Xeon
- * the AVX-512 tier's one stream with its prefetch stayed ahead: four streams 1.02-1.15x slower.) */
-#define ROW_STREAMS 4
+/* The AVX2 tier's one row: ROW_STREAMS runs per thread (see there) in one pass, an output of each
+ * run at a time, the input loaded once for them. SmolLM2's layers + head at one row, bf16 (Zen 3):
+ * 7.7-8.2 -> 7.3-7.6 ms (best of 11, the two builds alternated; 1.05-1.09x), ahead of a plain read of
+ * the same bytes in one stream per core. */
 
 /* Outputs n, n + apart, ... (NB of them) of one row. */
 INLINE void row_pass(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
