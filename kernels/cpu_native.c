@@ -1415,31 +1415,28 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
 #endif
 
 /* The driver both element types share: 4-output tiles split between the threads, 4-row tiles within.
- * One row reuses nothing, so it reads each weight row start to end instead, one output at a time,
- * each thread its static share of the rows (a tile's four interleaved rows plus the tile prefetch
- * reached 75-85 % of a plain read: Zen 4, SmolLM2's layers at one row bf16 8.3 -> 7.1 ms, fp32 15.6 ->
- * 10.4 ms; at two rows the tiles are ahead): in ROW_STREAMS runs side by side where the L2 streamer
- * carries them (`streamer_carries_rows`), else in one run with the row ROW_AHEAD_BYTES on prefetched.
- * (The AVX2 tier's `one_row_linear` walks its runs within one pass, the input loaded once for them.) */
+ * One row reuses nothing, so each thread reads its static share of the rows start to end, one output
+ * at a time (a tile's four neighbouring rows plus the tile prefetch reached 75-85 % of a plain read:
+ * Zen 4, SmolLM2's layers at one row bf16 8.3 -> 7.1 ms, fp32 15.6 -> 10.4 ms; at two rows the tiles
+ * are ahead), the row ROW_AHEAD_BYTES on prefetched. Except where the L2 streamer carries the rows
+ * (`streamer_carries_rows`): there the share is cut into TILE runs, and each tile takes an output of
+ * each run, its four rows far apart read side by side with no prefetch (one output per call leaves an
+ * fp32 row's 36 FMAs waiting on each other: 40.8 against 52.5 GB/s, Zen 5 at a 53 GB/s plain read). */
 #define DEFINE_LINEAR(name, T, WT, tile_fn)                                                              \
-    /* output n of one row; the row `ahead` on prefetched a line per step (the tile's own prefetch) */  \
-    INLINE void name##_row(const T *x, const WT *w, const T *bias, T *y, int n, int N, int K, int ahead) { \
-        tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,                          \
-                n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1);                                  \
-    }                                                                                                   \
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
         if (M == 1) {                                                                                   \
-            const int carried = streamer_carries_rows(), runs = carried ? ROW_STREAMS : 1;             \
+            const int carried = streamer_carries_rows();                                                \
             const int ahead = carried ? N : rows_ahead(K * (int64_t)sizeof(WT));                        \
             _Pragma("omp parallel num_threads(num_threads)")                                            \
             {                                                                                           \
                 const int t = omp_get_thread_num(), team = omp_get_num_threads();                       \
                 const int lo = (int)((int64_t)N * t / team), hi = (int)((int64_t)N * (t + 1) / team);   \
-                const int part = (hi - lo) / runs;                                                      \
+                const int part = carried ? (hi - lo) / TILE : 0; /* outputs n, n + part, ... a tile */  \
                 for (int n = lo; n < lo + part; n++)                                                    \
-                    for (int run = 0; run < runs; run++)                                                \
-                        name##_row(x, w, bias, y, n + run * part, N, K, ahead);                         \
-                for (int n = lo + runs * part; n < hi; n++) name##_row(x, w, bias, y, n, N, K, ahead);  \
+                    tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, TILE, 0, 0, part); \
+                for (int n = lo + TILE * part; n < hi; n++) /* the row ahead a line per step */         \
+                    tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,              \
+                            n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1, 1);                   \
             }                                                                                           \
             return 0;                                                                                   \
         }                                                                                               \
@@ -1473,7 +1470,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
         return 0;                                                                                       \
     }
 #define TILE_CASE(tile_fn, mb, nb) \
-    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb, pf, pf_rows); break;
+    case (mb) * 8 + (nb): tile_fn(xm, wn, bn, ym, K, N, mb, nb, pf, pf_rows, 1); break;
 #define TILE_CASES(f)                                                                     \
     TILE_CASE(f, 1, 1) TILE_CASE(f, 1, 2) TILE_CASE(f, 1, 3) TILE_CASE(f, 1, 4)           \
     TILE_CASE(f, 2, 1) TILE_CASE(f, 2, 2) TILE_CASE(f, 2, 3) TILE_CASE(f, 2, 4)           \
@@ -1516,17 +1513,19 @@ static inline int rows_ahead(int64_t row_bytes) { return (int)(ROW_AHEAD_BYTES /
 /* ---- One row: several weight streams per thread ----------------------------------------------
  * A one-row step reads every weight once, so the weight stream bounds it. One sequential stream per
  * core read 29-31 GB/s on Zen 3, where a plain read walking four places of its share at once read
- * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So a thread cuts its
- * share of the outputs into ROW_STREAMS runs and takes a row of each in turn. Software prefetch on top
- * made the four streams 2-5 % slower there. On a Sapphire Rapids class Xeon the AVX-512 tier's one
- * stream with its prefetch stayed ahead (four streams 1.02-1.15x slower), so there it stays. */
+ * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So the AVX2 tier cuts
+ * a thread's share of the outputs into ROW_STREAMS runs and takes an output of each at a time
+ * (`one_row_linear`); software prefetch on top made the four streams 2-5 % slower there. The AVX-512
+ * tier does the same on AMD only: on a Sapphire Rapids class Xeon its one stream with the prefetch
+ * stayed ahead (four streams 1.02-1.15x slower). */
 #define ROW_STREAMS 4
 
-/* Whether the dense one-row kernels leave their rows to the L2 streamer, in ROW_STREAMS runs: on AMD.
- * Zen 5, SmolLM2's projections and head at one row, bf16, a plain read at 50 GB/s: one run without
- * prefetch 41.9-47.1 GB/s against 38.6 with it, four runs 49.5 (1.19x one run, the medians of 166
- * trials); at 33 GB/s 30.5-33.2 either way, 31.1 with the prefetch. The low-bit rows, more arithmetic
- * per byte, keep their prefetch everywhere (the 4-bit ones without: 1.03x). */
+/* Whether the dense one-row kernels leave their rows to the L2 streamer in runs side by side: on AMD.
+ * Zen 5, SmolLM2's projections and head at one row, a plain read at 50-53 GB/s: bf16 in one run with
+ * the prefetch 38.6 GB/s, without it 41.9-47.1, four runs 49.5-53.5 (one row per call; a tile of four
+ * far-apart rows 51.7); fp32 in four runs one row per call 40.8, a tile of four 52.5. At 33 GB/s all
+ * of them read 30.5-35. The low-bit rows, more arithmetic per byte, keep their prefetch everywhere
+ * (the 4-bit ones without: 1.03x). */
 static inline int streamer_carries_rows(void) { return __builtin_cpu_is("amd"); }
 
 static inline void prefetch_span(const void *start, int64_t bytes) {
@@ -1540,13 +1539,13 @@ int pagoda_has_bf16_linear(void) { return 1; }
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
                                                             const uint16_t *bias, uint16_t *y, int K,
                                                             int ldy, const int MB, const int NB,
-                                                            const uint16_t *next, int next_rows) {
+                                                            const uint16_t *next, int next_rows, int64_t apart) {
     TILE_ACCUMULATORS(acc, MB, NB)
     int k = 0;
     for (; k + 32 <= K; k += 32) {
         PREFETCH_NEXT(next, next_rows, K, k)
         __m512bh wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_loadu_si512(w + (int64_t)n * K + k);
+        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * apart * K + k);
         for (int m = 0; m < MB; m++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k);
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
@@ -1555,19 +1554,26 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
     if (k < K) {
         const __mmask32 mask = _cvtu32_mask32((uint32_t)((1ull << (K - k)) - 1));
         __m512bh wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (int64_t)n * K + k);
+        for (int n = 0; n < NB; n++) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * apart * K + k);
         for (int m = 0; m < MB; m++) {
             const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
         }
     }
     if (NB == TILE) { /* a row's four outputs summed, biased and rounded as one vector */
-        const __m128 b4 = bias ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)bias)), 16))
-                               : _mm_setzero_ps();
+        uint16_t b[TILE] = {0};
+        for (int n = 0; bias && n < TILE; n++) b[n] = bias[n * apart];
+        const __m128 b4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)b)), 16));
         for (int m = 0; m < MB; m++) {
             const __m128 sums = _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b4);
             const __m256i bits = _mm512_cvtepi32_epi16(bf16_bits(_mm512_zextps128_ps512(sums)));
-            _mm_storel_epi64((__m128i *)(y + (int64_t)m * ldy), _mm256_castsi256_si128(bits));
+            if (apart == 1) {
+                _mm_storel_epi64((__m128i *)(y + (int64_t)m * ldy), _mm256_castsi256_si128(bits));
+            } else {
+                uint16_t out[8];
+                _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(bits));
+                for (int n = 0; n < TILE; n++) y[(int64_t)m * ldy + n * apart] = out[n];
+            }
         }
         return;
     }
@@ -1575,7 +1581,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
     TILE_SUMS(acc, sums, MB, NB)
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++)
-            y[(int64_t)m * ldy + n] = f32_to_bf16(sums[m][n] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+            y[(int64_t)m * ldy + n * apart] = f32_to_bf16(sums[m][n] + (bias ? bf16_to_f32(bias[n * apart]) : 0.0f));
 }
 
 DEFINE_LINEAR(pagoda_linear_bf16, uint16_t, uint16_t, tile_bf16)
@@ -1718,29 +1724,41 @@ int pagoda_linear_bf16_amx(const uint16_t *x, const uint16_t *w, const uint16_t 
 int pagoda_has_f32_linear(void) { return 1; }
 
 /* acc's row sums (+ bias) into y: the epilogue of both fp32 tiles. */
-INLINE void store_tile_f32(__m512 acc[TILE][TILE], const float *bias, float *y, int ldy, const int MB, const int NB) {
+INLINE void store_tile_f32(__m512 acc[TILE][TILE], const float *bias, float *y, int ldy, const int MB, const int NB,
+                           int64_t apart) {
     if (NB == TILE) { /* a row's four outputs summed and biased as one vector */
+        const __m128 b4 = !bias ? _mm_setzero_ps()
+                          : apart == 1 ? _mm_loadu_ps(bias)
+                                       : _mm_setr_ps(bias[0], bias[apart], bias[2 * apart], bias[3 * apart]);
         for (int m = 0; m < MB; m++) {
             const __m128 sums = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-            _mm_storeu_ps(y + (int64_t)m * ldy, bias ? _mm_add_ps(sums, _mm_loadu_ps(bias)) : sums);
+            float *row = y + (int64_t)m * ldy;
+            if (apart == 1) {
+                _mm_storeu_ps(row, bias ? _mm_add_ps(sums, b4) : sums);
+            } else {
+                float out[TILE];
+                _mm_storeu_ps(out, bias ? _mm_add_ps(sums, b4) : sums);
+                for (int n = 0; n < TILE; n++) row[n * apart] = out[n];
+            }
         }
         return;
     }
     float sums[TILE][TILE];
     TILE_SUMS(acc, sums, MB, NB)
     for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) y[(int64_t)m * ldy + n] = bias ? sums[m][n] + bias[n] : sums[m][n];
+        for (int n = 0; n < NB; n++)
+            y[(int64_t)m * ldy + n * apart] = bias ? sums[m][n] + bias[n * apart] : sums[m][n];
 }
 
 static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, const float *bias,
                                                            float *y, int K, int ldy, const int MB, const int NB,
-                                                           const float *next, int next_rows) {
+                                                           const float *next, int next_rows, int64_t apart) {
     TILE_ACCUMULATORS(acc, MB, NB)
     int k = 0;
     for (; k + 16 <= K; k += 16) {
         PREFETCH_NEXT(next, next_rows, K, k)
         __m512 wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = load_kept(w + (int64_t)n * K + k);
+        for (int n = 0; n < NB; n++) wv[n] = load_kept(w + n * apart * K + k);
         for (int m = 0; m < MB; m++) {
             const __m512 xv = load_kept(x + (int64_t)m * K + k);
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
@@ -1749,13 +1767,13 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, const
     if (k < K) {
         const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
         __m512 wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = _mm512_maskz_loadu_ps(mask, w + (int64_t)n * K + k);
+        for (int n = 0; n < NB; n++) wv[n] = _mm512_maskz_loadu_ps(mask, w + n * apart * K + k);
         for (int m = 0; m < MB; m++) {
             const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
         }
     }
-    store_tile_f32(acc, bias, y, ldy, MB, NB);
+    store_tile_f32(acc, bias, y, ldy, MB, NB, apart);
 }
 
 DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
@@ -1767,14 +1785,14 @@ DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x, const uint16_t *w,
                                                                  const float *bias, float *y, int K, int ldy,
                                                                  const int MB, const int NB,
-                                                                 const uint16_t *next, int next_rows) {
+                                                                 const uint16_t *next, int next_rows, int64_t apart) {
     TILE_ACCUMULATORS(acc, MB, NB)
     int k = 0;
     for (; k + 32 <= K; k += 32) {
         PREFETCH_NEXT(next, next_rows, K, k)
         __m512 lo[TILE], hi[TILE];
         for (int n = 0; n < NB; n++) {
-            const __m512i raw = _mm512_loadu_si512(w + (int64_t)n * K + k);
+            const __m512i raw = _mm512_loadu_si512(w + n * apart * K + k);
             lo[n] = widen_bf16(_mm512_castsi512_si256(raw)), hi[n] = widen_bf16(_mm512_extracti64x4_epi64(raw, 1));
         }
         for (int m = 0; m < MB; m++) {
@@ -1785,13 +1803,13 @@ static inline __attribute__((always_inline)) void tile_f32_bf16w(const float *x,
     for (; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
         __m512 wv[TILE];
-        for (int n = 0; n < NB; n++) wv[n] = load16(w, (int64_t)n * K + k, mask, DTYPE_BF16);
+        for (int n = 0; n < NB; n++) wv[n] = load16(w, n * apart * K + k, mask, DTYPE_BF16);
         for (int m = 0; m < MB; m++) {
             const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
             for (int n = 0; n < NB; n++) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
         }
     }
-    store_tile_f32(acc, bias, y, ldy, MB, NB);
+    store_tile_f32(acc, bias, y, ldy, MB, NB, apart);
 }
 
 DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
@@ -1901,24 +1919,24 @@ INLINE void pass_rows(const void *x, const int dtype, const void *w, const int w
 /* A tile of up to 4 rows: passes of 2 (the registers' limit), the prefetch in the first. */
 #define PASS_ROWS(T, dtype, wdtype)                                                                          \
     do {                                                                                                    \
-        pass_rows(x, dtype, w, wdtype, bias, y, K, ldy, MB < 2 ? MB : 2, NB, (const char *)next, next_rows, 1); \
+        pass_rows(x, dtype, w, wdtype, bias, y, K, ldy, MB < 2 ? MB : 2, NB, (const char *)next, next_rows, apart); \
         if (MB > 2)                                                                                         \
             pass_rows((const T *)x + 2 * (int64_t)K, dtype, w, wdtype, bias, (T *)y + 2 * (int64_t)ldy, K, ldy, \
-                      MB - 2, NB, 0, 0, 1);                                                                 \
+                      MB - 2, NB, 0, 0, apart);                                                             \
     } while (0)
 
 INLINE void tile_f32(const float *x, const float *w, const float *bias, float *y, int K, int ldy, const int MB,
-                     const int NB, const float *next, int next_rows) {
+                     const int NB, const float *next, int next_rows, int64_t apart) {
     PASS_ROWS(float, DTYPE_F32, DTYPE_F32);
 }
 
 INLINE void tile_f32_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int K, int ldy,
-                           const int MB, const int NB, const uint16_t *next, int next_rows) {
+                           const int MB, const int NB, const uint16_t *next, int next_rows, int64_t apart) {
     PASS_ROWS(float, DTYPE_F32, DTYPE_BF16);
 }
 
 INLINE void tile_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int K, int ldy,
-                      const int MB, const int NB, const uint16_t *next, int next_rows) {
+                      const int MB, const int NB, const uint16_t *next, int next_rows, int64_t apart) {
     PASS_ROWS(uint16_t, DTYPE_BF16, DTYPE_BF16);
 }
 #undef PASS_ROWS
@@ -1928,10 +1946,10 @@ DEFINE_LINEAR(dot_linear_bf16, uint16_t, uint16_t, tile_bf16)
 DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
 
-/* The AVX2 tier's one row: ROW_STREAMS runs per thread (see there) in one pass, an output of each
- * run at a time, the input loaded once for them. SmolLM2's layers + head at one row, bf16 (Zen 3):
- * 7.7-8.2 -> 7.3-7.6 ms (best of 11, the two builds alternated; 1.05-1.09x), ahead of a plain read of
- * the same bytes in one stream per core. */
+/* One row in ROW_STREAMS runs per thread (see there), a pass over an output of each, the input loaded
+ * once for them. SmolLM2's layers + head at one row, bf16 (Zen 3): 7.7-8.2 -> 7.3-7.6 ms (best of 11,
+ * the two builds alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per
+ * core. */
 
 /* Outputs n, n + apart, ... (NB of them) of one row. */
 INLINE void row_pass(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,

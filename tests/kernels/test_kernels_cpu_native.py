@@ -190,9 +190,9 @@ def test_fp32_rows_on_bf16_weights_equal_the_widened_weights(rows, out_features,
 
 @pytest.mark.parametrize(("dtype", "weight_dtype"), [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16)])
 def test_one_row_writes_every_output(dtype, weight_dtype, generator):
-    """One row: each thread reads its share of the outputs in parts side by side (AVX2) and the
-    outputs past the last whole set of parts one by one; whatever the output count, each output is
-    written, and in its place."""
+    """One row: each thread reads its share of the outputs in parts side by side (AVX2, and AVX-512 on
+    AMD: a tile of outputs far apart) and the outputs past the last whole set of parts one by one;
+    whatever the output count, each output is written, and in its place."""
     if cpu_native.max_rows(cpu_native.library(), dtype) == 0:
         pytest.skip("no native kernel for these rows on this CPU")
     for out_features in (*range(1, 14), 1003):
