@@ -1513,20 +1513,25 @@ static inline int rows_ahead(int64_t row_bytes) { return (int)(ROW_AHEAD_BYTES /
 /* ---- One row: several weight streams per thread ----------------------------------------------
  * A one-row step reads every weight once, so the weight stream bounds it. One sequential stream per
  * core read 29-31 GB/s on Zen 3, where a plain read walking four places of its share at once read
- * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So the AVX2 tier cuts
- * a thread's share of the outputs into ROW_STREAMS runs and takes an output of each at a time
- * (`one_row_linear`); software prefetch on top made the four streams 2-5 % slower there. The AVX-512
- * tier does the same on AMD only: on a Sapphire Rapids class Xeon its one stream with the prefetch
- * stayed ahead (four streams 1.02-1.15x slower). */
-#define ROW_STREAMS 4
-
-/* Whether the dense one-row kernels leave their rows to the L2 streamer in runs side by side: on AMD.
+ * 38-50 (the L2 streamer follows each stream on its own: more lines in flight). So where the
+ * streamer carries them, a thread cuts its share of the outputs into TILE runs and a tile takes an
+ * output of each (DEFINE_LINEAR), with no software prefetch: SmolLM2's layers + head at one row, bf16,
+ * AVX2 on Zen 3: 7.7-8.2 -> 7.3-7.6 ms (best of 11, the two builds alternated), ahead of a plain read
+ * of the same bytes in one stream per core; the prefetch on top made it 2-5 % slower. On a Sapphire
+ * Rapids class Xeon the AVX-512 tier's one stream with its prefetch stayed ahead (four streams
+ * 1.02-1.15x slower), so there the AVX-512 tier leaves the runs to AMD:
  * Zen 5, SmolLM2's projections and head at one row, a plain read at 50-53 GB/s: bf16 in one run with
  * the prefetch 38.6 GB/s, without it 41.9-47.1, four runs 49.5-53.5 (one row per call; a tile of four
  * far-apart rows 51.7); fp32 in four runs one row per call 40.8, a tile of four 52.5. At 33 GB/s all
  * of them read 30.5-35. The low-bit rows, more arithmetic per byte, keep their prefetch everywhere
  * (the 4-bit ones without: 1.03x). */
-static inline int streamer_carries_rows(void) { return __builtin_cpu_is("amd"); }
+static inline int streamer_carries_rows(void) {
+#if defined(__AVX512F__)
+    return __builtin_cpu_is("amd");
+#else
+    return 1;
+#endif
+}
 
 static inline void prefetch_span(const void *start, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)start + at, _MM_HINT_T2);
@@ -1872,7 +1877,7 @@ int pagoda_has_f32_linear(void) { return 1; }
  * two FMA chains run (a one-row step otherwise waits on one FMA's latency per 8 inputs). The tile's
  * prefetch is PREFETCH_NEXT's, by bytes: a line of each next row per 64 bytes of weight row. A pass's
  * outputs are `apart` apart (their weight rows and their places in y and bias): 1 for a tile,
- * further for `one_row_linear`'s streams. */
+ * further for a one-row tile's runs. */
 INLINE void pass_rows(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y, int K,
                       int ldy, const int MB, const int NB, const char *next, int next_rows, int64_t apart) {
     enum { SETS = 2 };
@@ -1945,31 +1950,6 @@ int pagoda_has_bf16_linear(void) { return 1; }
 DEFINE_LINEAR(dot_linear_bf16, uint16_t, uint16_t, tile_bf16)
 DEFINE_LINEAR(dot_linear_f32, float, float, tile_f32)
 DEFINE_LINEAR(dot_linear_f32_bf16w, float, uint16_t, tile_f32_bf16w)
-
-/* One row in ROW_STREAMS runs per thread (see there), a pass over an output of each, the input loaded
- * once for them. SmolLM2's layers + head at one row, bf16 (Zen 3): 7.7-8.2 -> 7.3-7.6 ms (best of 11,
- * the two builds alternated; 1.05-1.09x), ahead of a plain read of the same bytes in one stream per
- * core. */
-
-/* Outputs n, n + apart, ... (NB of them) of one row. */
-INLINE void row_pass(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
-                     int64_t n, int K, const int NB, int64_t apart) {
-    const int64_t wsize = wdtype == DTYPE_BF16 ? 2 : 4, esize = dtype == DTYPE_BF16 ? 2 : 4;
-    pass_rows(x, dtype, (const char *)w + n * K * wsize, wdtype, bias ? (const char *)bias + n * esize : 0,
-              (char *)y + n * esize, K, 0, 1, NB, 0, 0, apart);
-}
-
-static int one_row_linear(const void *x, const int dtype, const void *w, const int wdtype, const void *bias, void *y,
-                          int N, int K, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t lo = (int64_t)N * t / T, hi = (int64_t)N * (t + 1) / T, part = (hi - lo) / ROW_STREAMS;
-        for (int64_t n = lo; n < lo + part; n++) row_pass(x, dtype, w, wdtype, bias, y, n, K, ROW_STREAMS, part);
-        for (int64_t n = lo + ROW_STREAMS * part; n < hi; n++) row_pass(x, dtype, w, wdtype, bias, y, n, K, 1, 1);
-    }
-    return 0;
-}
 
 /* Many fp32 rows in 8 lanes: the AVX-512 tier's packed panels (see there), 16 outputs wide. Each thread
  * packs 16 outputs' weights into a [K][16] panel (8 x 8 blocks transposed in registers, bf16 widened
@@ -2147,7 +2127,6 @@ static int lanes_linear(const void *x, const int dtype, const void *w, const int
 /* bf16 rows on bf16 weights: the rows widened once into x^T, each output rounded once. */
 int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                        int num_threads) {
-    if (M == 1) return one_row_linear(x, DTYPE_BF16, w, DTYPE_BF16, bias, y, N, K, num_threads);
     if (lanes_take(M)) return lanes_linear(x, DTYPE_BF16, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
     return dot_linear_bf16(x, w, bias, y, M, N, K, num_threads);
 }
@@ -2203,7 +2182,6 @@ int pagoda_linear_f32(const float *x, const float *w, const float *bias, float *
                       int num_threads) {
     if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_F32, bias, y, M, N, K, num_threads);
 #if defined(PAGODA_AVX2)
-    if (M == 1) return one_row_linear(x, DTYPE_F32, w, DTYPE_F32, bias, y, N, K, num_threads);
     if (lanes_take(M)) return lanes_linear(x, DTYPE_F32, w, DTYPE_F32, bias, y, M, N, K, num_threads);
 #endif
     return dot_linear_f32(x, w, bias, y, M, N, K, num_threads);
@@ -2213,7 +2191,6 @@ int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias
                             int num_threads) {
     if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
 #if defined(PAGODA_AVX2)
-    if (M == 1) return one_row_linear(x, DTYPE_F32, w, DTYPE_BF16, bias, y, N, K, num_threads);
     if (lanes_take(M)) return lanes_linear(x, DTYPE_F32, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
 #endif
     return dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
