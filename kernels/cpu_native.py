@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_rotary.argtypes = [p, i64, i32, i32, i32, p, p, i32, i32]
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
-    lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, i32]
+    lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
@@ -489,8 +490,28 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch
     draws = uniform.to(torch.float64).contiguous()
     index = torch.empty(rows, dtype=torch.long)
     left = lib.pagoda_sample_rows(logits.data_ptr(), rows, vocab, temps.data_ptr(), draws.data_ptr(),
-                                  index.data_ptr(), torch.get_num_threads())  # fmt: skip
+                                  index.data_ptr(), None, torch.get_num_threads())  # fmt: skip
     return index if left == 0 else None
+
+
+def sample_plain(
+    logits: torch.Tensor, temperatures: list[float], uniforms: list[float]
+) -> tuple[list[int], list[float]] | None:
+    """Each row's token (greedy where its temperature is 0, else `sample_rows`'s at its uniform draw) and
+    that token's log-probability under the raw logits, as lists, with no torch op around the kernel:
+    after a decode step's weights have streamed through the caches, each small op costs tens of
+    microseconds. None: the rows are the caller's (no kernel here, or a row holding a NaN or an
+    infinite maximum)."""
+    lib = _takes(logits)
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+        return None
+    rows, vocab = logits.shape
+    temps, draws = (ctypes.c_float * rows)(*temperatures), (ctypes.c_double * rows)(*uniforms)
+    index, logprob = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
+    threads = torch.get_num_threads()
+    if lib.pagoda_sample_rows(logits.data_ptr(), rows, vocab, temps, draws, index, logprob, threads):
+        return None
+    return list(index), list(logprob)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:
@@ -627,6 +648,10 @@ class DecodeLayers:
             struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             struct.sliding_window = layer.sliding_window or 0
         self._kernels: dict[int, tuple[int, int, int, int] | None] = {}
+        # The KV pool the structs point into: its list's id and its first tensor, weakly (a pool the
+        # runner replaced must be freed), None before the first step; whether attention reads it as is.
+        self._pool: tuple[int, weakref.ref] | None = None
+        self._attention_takes_caches = False
 
     def kernels(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native kernel of each projection at `rows` rows; None if another would run one."""
@@ -654,28 +679,23 @@ class DecodeLayers:
         rows = hidden.shape[0]
         kernels = self.kernels(rows)
         lib = library()
-        k_cache = kv_caches[0][0]
+        if self._pool is None or self._pool[0] != id(kv_caches) or self._pool[1]() is not kv_caches[0][0]:
+            self._point_at(kv_caches)
         if (
             kernels is None
             or hidden.dtype != self.dtype
-            or not all(t.is_contiguous() for t in (hidden, cos, sin))
-            or k_cache.dtype != self.dtype
+            or not (hidden.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
             or slot_mapping.dtype != torch.int64
-            or not _attention_takes(lib, k_cache, kv_caches[0][1], self.shape.num_heads)
+            or not self._attention_takes_caches
         ):
             return None
-        for struct, (k, v) in zip(self.structs, kv_caches, strict=True):
-            struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
         shape = self.shape
         shape.qkv_kernel, shape.o_kernel, shape.gate_up_kernel, shape.down_kernel = kernels
-        shape.num_blocks, shape.block_size = k_cache.shape[:2]
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
-        slots = slot_mapping.contiguous()
+        tables, lens, slots = _int32(block_tables), _int32(context_lens), _contiguous(slot_mapping)
         residual = torch.empty_like(hidden)
         part = None
         if prefill is not None:
-            starts, prefill_lens, prefill_tables = (t.to(torch.int32).contiguous() for t in prefill)
+            starts, prefill_lens, prefill_tables = (_int32(t) for t in prefill)
             part = _PrefillPart(starts.data_ptr(), prefill_lens.data_ptr(), prefill_tables.data_ptr(),
                                 prefill_tables.stride(0), prefill_lens.shape[0])  # fmt: skip
         status = lib.pagoda_decode_layers(
@@ -688,3 +708,24 @@ class DecodeLayers:
         if status != 0:
             raise RuntimeError(f"pagoda_decode_layers failed ({status})")
         return hidden, residual
+
+    def _point_at(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Once per KV pool, not per step: 60 pointers re-read every step cost a one-row step ~0.03 ms
+        (`greedy_rows` says why such small work costs so much there)."""
+        k_cache, v_cache = kv_caches[0]
+        self._pool = (id(kv_caches), weakref.ref(k_cache))
+        self._attention_takes_caches = k_cache.dtype == self.dtype and _attention_takes(
+            library(), k_cache, v_cache, self.shape.num_heads
+        )
+        for struct, (k, v) in zip(self.structs, kv_caches, strict=True):
+            struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
+        self.shape.num_blocks, self.shape.block_size = k_cache.shape[:2]
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int32, without an op where it already is (the step's tables usually are)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()

@@ -9,9 +9,12 @@ min-p take one native pass (`cpu_native.sample_rows`: 0.44 -> 0.19 ms for one ro
 vocabulary, 2.5 -> 1.0 ms for 16); filtered rows, and CPUs without the kernels, take torch's ops,
 which are that pass's oracle in tests.
 
-Penalties, greedy choice and log-probabilities run where the logits are (the GPU on CUDA); only the
-rows that sample go to the CPU, where the per-request CPU generators give the same tokens on any
-device. A greedy batch moves a few numbers per row, not [rows, vocab] logits.
+On CPU, a step whose rows need nothing else (no penalties, bias, filters or top log-probabilities:
+most decode steps) takes one native pass for its tokens and their log-probabilities
+(`cpu_native.sample_plain`), with no torch op around it: the same tokens and values as the path below.
+Otherwise penalties, greedy choice and log-probabilities run where the logits are (the GPU on CUDA);
+only the rows that sample go to the CPU, where the per-request CPU generators give the same tokens on
+any device. A greedy batch moves a few numbers per row, not [rows, vocab] logits.
 """
 
 from __future__ import annotations
@@ -82,6 +85,14 @@ class Sampler:
         generators: list[torch.Generator | None],
         token_lists: list[tuple[list[int], list[int]]] | None = None,  # (prompt, output) ids per row
     ) -> SamplerOutput:
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        # A step's only draws: one per sampling row, each from its row's generator or this sampler's.
+        uniform = self._draw([generators[i] for i in random_rows]) if random_rows else None
+        vocab = logits.shape[-1]
+        if not any(p.needs_penalties or p.logit_bias or p.logprobs or _filters(p, vocab) for p in params):
+            plain = self._plain(logits, params, random_rows, uniform)
+            if plain is not None:
+                return plain
         logits = raw = logits.float()  # returned logprobs are of the raw model distribution
         penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
@@ -98,19 +109,14 @@ class Sampler:
         for i in bias_rows:
             apply_logit_bias(logits[i], params[i].logit_bias)
         greedy_ids, log_norm = argmax_and_log_norm(raw)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(params):  # every row samples: no row copies
-            chosen = self._sample(logits.cpu(), params, generators).to(logits.device)
+            chosen = self._sample(logits.cpu(), params, uniform).to(logits.device)
         elif logits is raw:
             chosen = greedy_ids
         else:  # penalties or a bias moved the maximum
             chosen = logits.argmax(dim=-1)
         if random_rows and len(random_rows) < len(params):
-            sampled = self._sample(
-                logits[random_rows].cpu(),
-                [params[i] for i in random_rows],
-                [generators[i] for i in random_rows],
-            )
+            sampled = self._sample(logits[random_rows].cpu(), [params[i] for i in random_rows], uniform)
             chosen[random_rows] = sampled.to(chosen.device)
         chosen_list = chosen.tolist()
         # The chosen token's log-probability without writing out the whole log-softmax.
@@ -130,12 +136,31 @@ class Sampler:
             top[i] = entry
         return SamplerOutput(chosen_list, chosen_logprobs, top)
 
+    def _plain(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        random_rows: list[int],
+        uniform: torch.Tensor | None,
+    ) -> SamplerOutput | None:
+        """Rows that need only their token and its log-probability, in one native pass (None: the
+        kernel leaves them to torch's ops)."""
+        temps, draws = [0.0] * len(params), [0.0] * len(params)
+        for i, u in zip(random_rows, uniform.tolist() if uniform is not None else [], strict=True):
+            temps[i], draws[i] = params[i].temperature, u
+        plain = cpu_native.sample_plain(logits, temps, draws)
+        if plain is None:
+            return None
+        token_ids, logprobs = plain
+        rows = zip(params, token_ids, logprobs, strict=True)
+        top = [None if p.logprobs is None else {t: lp} for p, t, lp in rows]
+        return SamplerOutput(token_ids, logprobs, top)
+
     def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor
     ) -> torch.Tensor:
         vocab = logits.shape[-1]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        uniform = self._draw(generators)
         top_k_or_p = any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
         uses_min_p = any(p.min_p > 0 for p in params)
         if not (top_k_or_p or uses_min_p):  # the plain distribution in one pass (torch's ops: its oracle)
@@ -157,6 +182,8 @@ class Sampler:
     def _draw(self, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One uniform number per row: a seeded row's from its own generator, the others' from this
         sampler's."""
+        if all(g is None for g in generators):  # the same numbers as below, in one op
+            return torch.rand(len(generators), dtype=torch.float64, generator=self.default_generator)
         uniform = torch.empty(len(generators), dtype=torch.float64)  # 53 random bits a draw
         shared = [row for row, g in enumerate(generators) if g is None]
         if shared:  # one draw for every unseeded row
@@ -165,6 +192,11 @@ class Sampler:
             if generator is not None:
                 uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator)
         return uniform
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampling row keeps less than its whole distribution (top-k, top-p, min-p)."""
+    return not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
 
 
 def argmax_and_log_norm(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,6 +97,29 @@ def test_sampler_distribution_and_filters():
     assert set(top_p.token_ids) == {0, 1}
 
 
+def test_plain_rows_pass_gives_what_the_general_path_gives(monkeypatch):
+    """The native pass for rows that need only a token and its log-probability: the same tokens (seeded
+    and unseeded, greedy and sampled, in one batch) and the same log-probabilities as the torch path,
+    and the same draws after it (the next step's tokens agree too)."""
+    from pagoda.kernels import cpu_native
+
+    if not cpu_native.has_vector_kernels():
+        pytest.skip("no vector kernels on this CPU")
+    logits = 3 * torch.randn(12, 5000, generator=torch.Generator().manual_seed(1))
+    settings = zip([0.0, 0.8, 1.3] * 4, [None, 0] * 6, strict=True)
+    params = [SamplingParams(temperature=t, logprobs=lp) for t, lp in settings]
+
+    def run() -> list:
+        sampler = Sampler(seed=7)
+        generators = [torch.Generator().manual_seed(i) if i % 4 == 1 else None for i in range(12)]
+        return [vars(sampler(logits, params, generators)) for _ in range(2)]
+
+    plain = run()
+    monkeypatch.setattr(cpu_native, "sample_plain", lambda *args: None)
+    assert run() == plain
+    assert plain[0]["top_logprobs"][1] == {plain[0]["token_ids"][1]: plain[0]["logprobs"][1]}
+
+
 def test_sample_from_cdf_never_picks_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
     uniform = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0 - 1e-12], dtype=torch.float64)

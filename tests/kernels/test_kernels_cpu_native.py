@@ -373,6 +373,24 @@ def test_sample_rows_never_picks_a_banned_token_and_leaves_nan_rows():
 
 
 @vector_kernels
+def test_sample_plain_is_the_greedy_and_sampling_kernels_with_torchs_logprobs(generator):
+    """Greedy rows (temperature 0) get argmax_logsumexp's token, the others sample_rows's at the same
+    draw, and each token's log-probability is torch's logit - logsumexp, bit for bit."""
+    rows, vocab = 64, 49152
+    logits = 4 * torch.randn(rows, vocab, generator=generator)
+    temps = torch.where(torch.arange(rows) % 3 == 0, 0.0, torch.rand(rows, generator=generator) + 0.3)
+    uniform = torch.rand(rows, dtype=torch.float64, generator=generator)
+    tokens, logprobs = cpu_native.sample_plain(logits, temps.tolist(), uniform.tolist())
+    greedy, log_norm = cpu_native.argmax_logsumexp(logits)
+    sampled = cpu_native.sample_rows(logits, temps.clamp(min=0.3), uniform)
+    expected = torch.where(temps == 0, greedy, sampled)
+    assert tokens == expected.tolist()
+    assert logprobs == (logits.gather(1, expected[:, None]).squeeze(1) - log_norm).tolist()
+    logits[5, 9] = float("nan")  # the caller's torch path decides such a row
+    assert cpu_native.sample_plain(logits, temps.tolist(), uniform.tolist()) is None
+
+
+@vector_kernels
 def test_argmax_logsumexp_leaves_nan_and_infinite_rows_to_torchs_rules():
     logits = torch.zeros(4, 40)
     logits[0, 7] = float("nan")  # torch: a NaN is the maximum
