@@ -334,11 +334,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         run = lib.pagoda_linear_bf16
     else:
         run = lib.pagoda_linear_f32_bf16w if widens(weight.dtype, x.dtype) else lib.pagoda_linear_f32
-    rows = x.reshape(num_rows, in_features).contiguous()
+    flat = x.dim() == 2 and x.is_contiguous()  # no reshape and view around the call (a decode step's head)
+    rows = x if flat else x.reshape(num_rows, in_features).contiguous()
     y = torch.empty(num_rows, out_features, dtype=x.dtype)
     status = run(rows.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(),
                  num_rows, out_features, in_features, torch.get_num_threads())  # fmt: skip
-    return y.view(*x.shape[:-1], out_features) if status == 0 else None
+    if status != 0:
+        return None
+    return y if flat else y.view(*x.shape[:-1], out_features)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

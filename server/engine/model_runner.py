@@ -63,6 +63,16 @@ def allocate_kv_caches(
     ]
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`, with no op where it is there already (a CPU step's inputs are): docs/kernels.md
+    on the small ops around a decode step."""
+    return t if t.device == device else t.to(device)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def cpu_kv_budget() -> int:
     """Default KV pool on CPU: a quarter of the available RAM, at most 2 GiB."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -173,7 +183,7 @@ class ModelRunner:
         table = np.zeros((len(items), width), dtype=np.int32)
         for row, item in enumerate(items):
             table[row, : len(item.seq.block_table)] = item.seq.block_table
-        return torch.from_numpy(table).to(device)
+        return _on(torch.from_numpy(table), device)
 
     def prepare(self, out: SchedulerOutput, device: torch.device | None = None) -> StepInputs:
         """The step's model inputs, on `device` (default: the model's)."""
@@ -211,7 +221,7 @@ class ModelRunner:
                     sample_rows.append(num_prefill_tokens + j)
         device = device or self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(device),
+            slot_mapping=_on(torch.from_numpy(np.concatenate(slots).astype(np.int64)), device),
             num_prefill_tokens=num_prefill_tokens,
         )
         if out.prefills:
@@ -223,10 +233,10 @@ class ModelRunner:
             )
             meta.prefill_block_tables = self._block_table_tensor(out.prefills, device)
         if out.decodes:
-            meta.decode_context_lens = torch.from_numpy((dec_pos + 1).astype(np.int32)).to(device)
+            meta.decode_context_lens = _on(torch.from_numpy((dec_pos + 1).astype(np.int32)), device)
             meta.decode_block_tables = self._block_table_tensor(out.decodes, device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        pos_tensor = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(device)
+        pos_tensor = _on(torch.from_numpy(np.concatenate(positions).astype(np.int64)), device)
         return StepInputs(
             list(out.block_copies), input_ids, pos_tensor, meta, sample_rows, prompt_score_rows(out)
         )
@@ -266,4 +276,4 @@ class ModelRunner:
         self.timings.prepare_s += prepared - started
         self.timings.forward_s += time.perf_counter() - prepared
         sampled = [item for item in out.scheduled if item.completes]
-        return logits.float(), sampled  # on the model's device: the sampler moves only what it must
+        return _fp32(logits), sampled  # on the model's device: the sampler moves only what it must

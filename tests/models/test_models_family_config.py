@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models_paged_harness import PagedHarness
-from pagoda.server.engine.layers.rotary import rope_parameters
+from pagoda.server.engine.layers.rotary import RotaryEmbedding, rope_parameters
 from pagoda.server.engine.loader import load_model
 from pagoda.server.engine.models.llama import LlamaFamilyConfig, hf_tensor_names
 from transformers import AutoConfig, GPT2Config, LlamaConfig
@@ -72,3 +72,18 @@ def test_positions_past_max_position_embeddings_run(tiny_llama_dir):
     harness = PagedHarness(model, block_size=16, num_blocks=40)
     logits = harness.step({"s": [5] * 600}, {})["s"]  # max_position_embeddings is 512
     assert logits.shape[0] == 600 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_hold_what_a_step_computes(dtype):
+    """A step's cos/sin looked up in the CPU tables are the values computed for its positions, bit for
+    bit (steps of up to 256 tokens), and a step past the tables grows them."""
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4}, max_positions=1000)
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (1, 16, 256):
+        positions = torch.randint(0, 1000, (tokens,), generator=generator)
+        for looked_up, computed in zip(rope(positions, dtype), rope.angles(positions, dtype), strict=True):
+            assert looked_up.dtype == dtype and torch.equal(looked_up, computed)
+    far = torch.tensor([5, 4321])
+    assert all(torch.equal(a, b) for a, b in zip(rope(far, dtype), rope.angles(far, dtype), strict=True))
+    assert rope._tables[dtype][0].shape[0] == 4322

@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig, local: LocalShape) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, local.tp)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, local) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.native_decode = NativeDecode(self)
@@ -177,7 +177,9 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a table kept in bf16: widened
+        hidden = self.embed_tokens(input_ids)
+        if hidden.dtype != self.norm.weight.dtype:  # a table kept in bf16: widened
+            hidden = hidden.to(self.norm.weight.dtype)
         rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
         native = self.native_decode(hidden, rope, attn_metadata, kv_caches)  # CPU decode steps
         if native is not None:
