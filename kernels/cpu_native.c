@@ -2271,14 +2271,13 @@ struct prefill_part {
     int64_t num_seqs;
 };
 
-/* hidden [rows, hidden]: the embeddings in, the last layer's MLP output out; residual [rows, hidden]:
- * the residual stream before that output (the caller's final norm adds the two). cos/sin [rows,
- * head_dim] in the model dtype; slots as the attention's. The first prefill->starts[num_seqs] rows are
- * the prefill's (prefill NULL: none), attended by the tiled kernel; each row after them is a decode
- * query with its own row of block tables and context lengths. Shapes, tables and slots are checked
- * before anything is written. */
+/* hidden [rows, hidden]: the embeddings in, the model's final norm of the last layer's output out
+ * (final_norm: that norm's weight, with the layers' eps). cos/sin [rows, head_dim] in the model dtype;
+ * slots as the attention's. The first prefill->starts[num_seqs] rows are the prefill's (prefill NULL:
+ * none), attended by the tiled kernel; each row after them is a decode query with its own row of block
+ * tables and context lengths. Shapes, tables and slots are checked before anything is written. */
 int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, const struct decoder_shape *s,
-                         void *hidden, void *residual, const void *cos, const void *sin, const int64_t *slots,
+                         void *hidden, const void *final_norm, const void *cos, const void *sin, const int64_t *slots,
                          const struct prefill_part *prefill, const int32_t *block_tables, int64_t block_table_stride,
                          const int32_t *context_lens, int rows, int num_threads) {
     const int dtype = s->dtype, hd = s->head_dim;
@@ -2302,9 +2301,10 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
         return -2;
     const size_t wide = (size_t)(qkv_size > 2 * s->intermediate ? qkv_size : 2 * s->intermediate);
     const size_t narrow = (size_t)(q_size > s->intermediate ? q_size : s->intermediate);
-    char *scratch = malloc((size_t)rows * ((s->hidden + wide + narrow) * elem + 2 * hd * sizeof(float)));
+    char *scratch = malloc((size_t)rows * ((2 * s->hidden + wide + narrow) * elem + 2 * hd * sizeof(float)));
     if (!scratch) return -1;
-    void *normed = scratch, *qkv_or_gate_up = scratch + (size_t)rows * s->hidden * elem;
+    void *residual = scratch, *normed = scratch + (size_t)rows * s->hidden * elem;
+    void *qkv_or_gate_up = (char *)normed + (size_t)rows * s->hidden * elem;
     void *attended_or_act = (char *)qkv_or_gate_up + (size_t)rows * wide * elem;
     float *cos32 = (float *)((char *)attended_or_act + (size_t)rows * narrow * elem), *sin32 = cos32 + (size_t)rows * hd;
     for (int r = 0; r < rows; r++) {
@@ -2352,6 +2352,10 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
         status |= pagoda_silu_mul(qkv_or_gate_up, attended_or_act, rows, s->intermediate, dtype, num_threads);
         status |= run_linear(s->down_kernel, dtype, attended_or_act, &L->down, hidden, rows, s->hidden,
                              s->intermediate, num_threads);
+    }
+    if (status == 0) {
+        pagoda_rms_norm(hidden, residual, residual, final_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        memcpy(hidden, normed, (size_t)rows * s->hidden * elem);
     }
     free(scratch);
     return status;

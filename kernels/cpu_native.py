@@ -628,10 +628,18 @@ class DecodeLayers:
     addresses are read once here; the tensors must stay where they are (loading copies into them)."""
 
     def __init__(
-        self, layers: list[DecoderLayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        scale: float,
     ) -> None:
+        """`final_norm`: the weight of the model's norm after the layers (with the layers' `eps`)."""
         first = layers[0]
         self.weights = layers  # keeps the tensors the structs point at alive
+        self.final_norm = final_norm
         self.dtype = first.input_norm.dtype
         hidden = first.input_norm.shape[0]
         self.shape = _Shape(
@@ -666,7 +674,7 @@ class DecodeLayers:
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the last layer's MLP output
+        hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the final norm of the last layer's output
         cos: torch.Tensor,  # [rows, 1, head_dim]
         sin: torch.Tensor,
         slot_mapping: torch.Tensor,  # [rows] int64
@@ -674,9 +682,9 @@ class DecodeLayers:
         context_lens: torch.Tensor,  # [decode rows] int32
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, residual) after every layer, as the layers' forward returns them; None where the
-        step is one these kernels do not take (the caller runs the layers). `prefill`: (cu_seqlens_q,
+    ) -> torch.Tensor | None:
+        """The hidden states after every layer and the model's final norm, as the op-by-op forward gives
+        them; None where the step is one these kernels do not take (the caller runs the layers). `prefill`: (cu_seqlens_q,
         context lengths, block tables) of the step's first rows, attended by the tiled prefill kernel
         (`prefill_attention`); each row after them is a decode query of `block_tables`/`context_lens`."""
         rows = hidden.shape[0]
@@ -695,14 +703,13 @@ class DecodeLayers:
         shape = self.shape
         shape.qkv_kernel, shape.o_kernel, shape.gate_up_kernel, shape.down_kernel = kernels
         tables, lens, slots = _int32(block_tables), _int32(context_lens), _contiguous(slot_mapping)
-        residual = torch.empty_like(hidden)
         part = None
         if prefill is not None:
             starts, prefill_lens, prefill_tables = (_int32(t) for t in prefill)
             part = _PrefillPart(starts.data_ptr(), prefill_lens.data_ptr(), prefill_tables.data_ptr(),
                                 prefill_tables.stride(0), prefill_lens.shape[0])  # fmt: skip
         status = lib.pagoda_decode_layers(
-            ctypes.byref(self.structs), len(self.structs), ctypes.byref(shape), hidden.data_ptr(), residual.data_ptr(),
+            ctypes.byref(self.structs), len(self.structs), ctypes.byref(shape), hidden.data_ptr(), self.final_norm.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), None if part is None else ctypes.byref(part),
             tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, torch.get_num_threads(),
         )  # fmt: skip
@@ -710,7 +717,7 @@ class DecodeLayers:
             raise IndexError("a block table entry or slot is outside the KV cache")
         if status != 0:
             raise RuntimeError(f"pagoda_decode_layers failed ({status})")
-        return hidden, residual
+        return hidden
 
     def _point_at(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Once per KV pool, not per step: 60 pointers re-read every step cost a one-row step ~0.03 ms

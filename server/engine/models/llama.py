@@ -183,11 +183,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
         native = self.native_decode(hidden, rope, attn_metadata, kv_caches)  # CPU decode steps
         if native is not None:
-            hidden, residual = native
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)
+            return native
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)
         return self.norm(hidden, residual)[0]
 
 

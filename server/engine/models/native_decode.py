@@ -1,4 +1,4 @@
-"""Decode steps on CPU: a Llama-family model's decoder layers in one native call.
+"""Decode steps on CPU: a Llama-family model's decoder layers and its final norm in one native call.
 
 A one-row decode step runs about 400 small ops through Python; each costs a few microseconds of
 dispatch, a fifth of the step on two cores. `cpu_native.DecodeLayers` runs the same kernels in the
@@ -40,8 +40,8 @@ class NativeDecode:
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, residual) after every layer, or None: the caller runs the layers."""
+    ) -> torch.Tensor | None:
+        """The hidden states after every layer and the final norm, or None: the caller runs the layers."""
         if not (self.enabled and hidden.device.type == "cpu"):
             return None
         layers = self._layers()
@@ -123,7 +123,9 @@ class NativeDecode:
             )
             for layer in self.model.layers
         ]
-        attn = first.attn
+        attn, eps = first.attn, self.model.layers[0].input_layernorm.eps
+        if self.model.norm.eps != eps:  # the native call norms the output with the layers' eps
+            return None
         return cpu_native.DecodeLayers(
-            weights, attn.num_heads, attn.num_kv_heads, self.model.layers[0].input_layernorm.eps, attn.scale
+            weights, self.model.norm.weight, attn.num_heads, attn.num_kv_heads, eps, attn.scale
         )
