@@ -674,7 +674,7 @@ class DecodeLayers:
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the final norm of the last layer's output
+        hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the output's final norm
         cos: torch.Tensor,  # [rows, 1, head_dim]
         sin: torch.Tensor,
         slot_mapping: torch.Tensor,  # [rows] int64
@@ -684,9 +684,10 @@ class DecodeLayers:
         prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The hidden states after every layer and the model's final norm, as the op-by-op forward gives
-        them; None where the step is one these kernels do not take (the caller runs the layers). `prefill`: (cu_seqlens_q,
-        context lengths, block tables) of the step's first rows, attended by the tiled prefill kernel
-        (`prefill_attention`); each row after them is a decode query of `block_tables`/`context_lens`."""
+        them; None where the step is one these kernels do not take (the caller runs the layers).
+        `prefill`: (cu_seqlens_q, context lengths, block tables) of the step's first rows, attended by the
+        tiled prefill kernel (`prefill_attention`); each row after them is a decode query of
+        `block_tables`/`context_lens`."""
         rows = hidden.shape[0]
         kernels = self.kernels(rows)
         lib = library()
@@ -720,8 +721,8 @@ class DecodeLayers:
         return hidden
 
     def _point_at(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Once per KV pool, not per step: 60 pointers re-read every step cost a one-row step ~0.03 ms
-        (`greedy_rows` says why such small work costs so much there)."""
+        """Once per KV pool, not per step: small work between two decode steps runs on the caches the
+        weights' stream left (docs/kernels.md), where 60 pointers re-read cost a one-row step ~0.03 ms."""
         k_cache, v_cache = kv_caches[0]
         self._pool = (id(kv_caches), weakref.ref(k_cache))
         self._attention_takes_caches = k_cache.dtype == self.dtype and _attention_takes(
