@@ -317,7 +317,7 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter, generator):
 def test_rotary_in_place_equals_torchs_ops(dtype, tokens, heads, head_dim, generator):
     """q and k rotated where they sit in the step's qkv rows (v after them untouched), the same numbers
     as torch's op-by-op rotation in both dtypes (the kernel rounds where torch's ops round)."""
-    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
     cos, sin = rope(torch.randint(0, 4096, (tokens,), generator=generator), dtype)
     qkv = (3 * torch.randn(tokens, heads + 2, head_dim, generator=generator)).to(dtype)
     expected = qkv[:, :heads] * cos + torch.cat((-qkv[:, :heads, head_dim // 2 :], qkv[:, :heads, : head_dim // 2]), -1) * sin

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models_paged_harness import PagedHarness
-from pagoda.server.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from pagoda.server.engine.layers.rotary import MIN_TABLE_POSITIONS, RotaryEmbedding, rope_parameters
 from pagoda.server.engine.loader import load_model
 from pagoda.server.engine.models.llama import LlamaFamilyConfig, hf_tensor_names
 from transformers import AutoConfig, GPT2Config, LlamaConfig
@@ -77,13 +77,17 @@ def test_positions_past_max_position_embeddings_run(tiny_llama_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_tables_hold_what_a_step_computes(dtype):
     """A step's cos/sin looked up in the CPU tables are the values computed for its positions, bit for
-    bit (steps of up to 256 tokens), and a step past the tables grows them."""
-    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4}, max_positions=1000)
+    bit (steps of up to 256 tokens), and a step past the tables grows them: to twice their size, or
+    as far as the step goes."""
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e4})
     generator = torch.Generator().manual_seed(0)
     for tokens in (1, 16, 256):
-        positions = torch.randint(0, 1000, (tokens,), generator=generator)
+        positions = torch.randint(0, 4000, (tokens,), generator=generator)
         for looked_up, computed in zip(rope(positions, dtype), rope.angles(positions, dtype), strict=True):
             assert looked_up.dtype == dtype and torch.equal(looked_up, computed)
-    far = torch.tensor([5, 4321])
-    assert all(torch.equal(a, b) for a, b in zip(rope(far, dtype), rope.angles(far, dtype), strict=True))
-    assert rope._tables[dtype][0].shape[0] == 4322
+    sizes = []
+    for far in ([5, 4321], [20000]):
+        far = torch.tensor(far)
+        assert all(torch.equal(a, b) for a, b in zip(rope(far, dtype), rope.angles(far, dtype), strict=True))
+        sizes.append(rope._tables[dtype][0].shape[0])
+    assert sizes == [2 * MIN_TABLE_POSITIONS, 20001]

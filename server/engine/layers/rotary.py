@@ -10,6 +10,7 @@ from pagoda.kernels import cpu_native
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+MIN_TABLE_POSITIONS = 4096
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -62,16 +63,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of each token's rotation angles, as transformers computes them: fp32 angles, their cos
-    and sin, cast once to the dtype q and k rotate in. On CPU a step looks them up in tables built once
-    per dtype (over the model's positions, grown if a step goes past them): four ops where computing
-    them took thirteen, each slow on the caches a decode step's weights have streamed through (about
-    0.1 ms of a one-row step). On a GPU they are computed per step: a CUDA graph replays that, and a
-    lookup would need the largest position on the host."""
+    and sin, cast once to the dtype q and k rotate in. On CPU a step looks them up in tables per dtype,
+    doubled whenever a step goes past them (a model's position limit can be a million: its table would
+    be gigabytes): four ops where computing them took thirteen, each slow on the caches a decode step's
+    weights have streamed through (about 0.1 ms of a one-row step). On a GPU they are computed per
+    step: a CUDA graph replays that, and a lookup would need the largest position on the host."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(params, head_dim), persistent=False)
-        self.max_positions = max_positions
         # CPU: (cos, sin) tables per dtype, each [positions, 1, head_dim]
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -82,7 +82,8 @@ class RotaryEmbedding(nn.Module):
         end = int(positions.max()) + 1
         tables = self._tables.get(dtype)
         if tables is None or tables[0].shape[0] < end:
-            tables = self._tables[dtype] = self._build(max(end, self.max_positions), dtype)
+            size = 2 * tables[0].shape[0] if tables is not None else MIN_TABLE_POSITIONS
+            tables = self._tables[dtype] = self._build(max(end, size), dtype)
         cos, sin = tables
         return cos.index_select(0, positions), sin.index_select(0, positions)
 

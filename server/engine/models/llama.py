@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig, local: LocalShape) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, local.tp)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, local) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.native_decode = NativeDecode(self)
