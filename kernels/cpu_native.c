@@ -1438,7 +1438,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
     int name(const T *x, const WT *w, const T *bias, T *y, int M, int N, int K, int num_threads) {      \
         if (M == 1) {                                                                                   \
             const int carried = streamer_carries_rows();                                                \
-            const int ahead = carried ? N : rows_ahead(K * (int64_t)sizeof(WT));                        \
+            const int ahead = rows_ahead(K * (int64_t)sizeof(WT));                                      \
             _Pragma("omp parallel num_threads(num_threads)")                                            \
             {                                                                                           \
                 const int t = omp_get_thread_num(), team = omp_get_num_threads();                       \
@@ -1448,7 +1448,7 @@ int pagoda_store_kv(const void *key, int64_t key_stride, const void *value, int6
                     tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, TILE, 0, 0, part); \
                 for (int n = lo + TILE * part; n < hi; n++) /* the row ahead a line per step */         \
                     tile_fn(x, w + (int64_t)n * K, bias ? bias + n : 0, y + n, K, N, 1, 1,              \
-                            n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1, 1);                   \
+                            !carried && n + ahead < N ? w + (int64_t)(n + ahead) * K : 0, 1, 1);       \
             }                                                                                           \
             return 0;                                                                                   \
         }                                                                                               \
@@ -1578,9 +1578,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
         }
     }
     if (NB == TILE) { /* a row's four outputs summed, biased and rounded as one vector */
-        uint16_t b[TILE] = {0};
-        for (int n = 0; bias && n < TILE; n++) b[n] = bias[n * apart];
-        const __m128 b4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)b)), 16));
+        const __m128 b4 = !bias ? _mm_setzero_ps()
+                          : apart == 1 ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)bias)), 16))
+                                       : _mm_setr_ps(bf16_to_f32(bias[0]), bf16_to_f32(bias[apart]),
+                                                     bf16_to_f32(bias[2 * apart]), bf16_to_f32(bias[3 * apart]));
         for (int m = 0; m < MB; m++) {
             const __m128 sums = _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b4);
             const __m256i bits = _mm512_cvtepi32_epi16(bf16_bits(_mm512_zextps128_ps512(sums)));
@@ -2353,10 +2354,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
         status |= run_linear(s->down_kernel, dtype, attended_or_act, &L->down, hidden, rows, s->hidden,
                              s->intermediate, num_threads);
     }
-    if (status == 0) {
-        pagoda_rms_norm(hidden, residual, residual, final_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
-        memcpy(hidden, normed, (size_t)rows * s->hidden * elem);
-    }
+    if (status == 0) /* in place: a row is read whole before its norm is written */
+        pagoda_rms_norm(hidden, residual, residual, final_norm, hidden, rows, s->hidden, s->eps, dtype, num_threads);
     free(scratch);
     return status;
 }

@@ -161,7 +161,7 @@ class Sampler:
     ) -> torch.Tensor:
         vocab = logits.shape[-1]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        top_k_or_p = any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+        top_k_or_p = any(_top_k_or_p(p, vocab) for p in params)
         uses_min_p = any(p.min_p > 0 for p in params)
         if not (top_k_or_p or uses_min_p):  # the plain distribution in one pass (torch's ops: its oracle)
             native = cpu_native.sample_rows(logits, temps, uniform)
@@ -194,9 +194,13 @@ class Sampler:
         return uniform
 
 
+def _top_k_or_p(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
 def _filters(p: SamplingParams, vocab: int) -> bool:
     """Whether a sampling row keeps less than its whole distribution (top-k, top-p, min-p)."""
-    return not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
+    return not p.greedy and (_top_k_or_p(p, vocab) or p.min_p > 0)
 
 
 def argmax_and_log_norm(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
