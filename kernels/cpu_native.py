@@ -111,7 +111,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_silu_mul.argtypes = [p, p, i32, i32, i32, i32]
     lib.pagoda_rotary.argtypes = [p, i64, i32, i32, i32, p, p, i32, i32]
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
-    lib.pagoda_sample_rows.argtypes = [p, i32, i32, p, p, p, p, i32]
+    lib.pagoda_sample_rows.argtypes = [p, i32, i32, i32, p, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
     lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
@@ -492,8 +492,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch
     temps = temperatures.to(torch.float32).contiguous()
     draws = uniform.to(torch.float64).contiguous()
     index = torch.empty(rows, dtype=torch.long)
-    left = lib.pagoda_sample_rows(logits.data_ptr(), rows, vocab, temps.data_ptr(), draws.data_ptr(),
-                                  index.data_ptr(), None, torch.get_num_threads())  # fmt: skip
+    left = lib.pagoda_sample_rows(logits.data_ptr(), DTYPES[logits.dtype], rows, vocab, temps.data_ptr(),
+                                  draws.data_ptr(), index.data_ptr(), None, torch.get_num_threads())  # fmt: skip
     return index if left == 0 else None
 
 
@@ -501,18 +501,19 @@ def sample_plain(
     logits: torch.Tensor, temperatures: list[float], uniforms: list[float]
 ) -> tuple[list[int], list[float]] | None:
     """Each row's token (greedy where its temperature is 0, else `sample_rows`'s at its uniform draw) and
-    that token's log-probability under the raw logits, as lists, with no torch op around the kernel:
-    after a decode step's weights have streamed through the caches, each small op costs tens of
-    microseconds. None: the rows are the caller's (no kernel here, or a row holding a NaN or an
-    infinite maximum)."""
+    that token's log-probability under the raw logits (fp32 or bf16, read as fp32), as lists, with no
+    torch op around the kernel: after a decode step's weights have streamed through the caches, each
+    small op costs tens of microseconds. None: the rows are the caller's (no kernel here, or a row
+    holding a NaN or an infinite maximum)."""
     lib = _takes(logits)
-    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+    if lib is None or logits.dim() != 2 or not logits.is_contiguous():
         return None
     rows, vocab = logits.shape
     temps, draws = (ctypes.c_float * rows)(*temperatures), (ctypes.c_double * rows)(*uniforms)
     index, logprob = (ctypes.c_int64 * rows)(), (ctypes.c_float * rows)()
     threads = torch.get_num_threads()
-    if lib.pagoda_sample_rows(logits.data_ptr(), rows, vocab, temps, draws, index, logprob, threads):
+    dtype = DTYPES[logits.dtype]
+    if lib.pagoda_sample_rows(logits.data_ptr(), dtype, rows, vocab, temps, draws, index, logprob, threads):
         return None
     return list(index), list(logprob)
 

@@ -69,8 +69,11 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+def _for_sampler(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the sampler takes them: fp32, but on CPU in the model dtype, whose native sampler
+    widens each bf16 row in its caches (an fp32 copy of a 16-row step's logits took ~0.25 ms more,
+    docs/kernels.md); its torch ops widen them first."""
+    return logits if logits.dtype == torch.float32 or logits.device.type == "cpu" else logits.float()
 
 
 def cpu_kv_budget() -> int:
@@ -276,4 +279,4 @@ class ModelRunner:
         self.timings.prepare_s += prepared - started
         self.timings.forward_s += time.perf_counter() - prepared
         sampled = [item for item in out.scheduled if item.completes]
-        return _fp32(logits), sampled  # on the model's device: the sampler moves only what it must
+        return _for_sampler(logits), sampled  # on the model's device: the sampler moves only what it must

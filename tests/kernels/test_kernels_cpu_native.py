@@ -391,6 +391,17 @@ def test_sample_plain_is_the_greedy_and_sampling_kernels_with_torchs_logprobs(ge
 
 
 @vector_kernels
+@pytest.mark.parametrize("rows", [1, 16])
+def test_sample_plain_reads_bf16_logits_as_their_fp32_copy(rows, generator):
+    """A bf16 head's logits, widened row by row inside the kernel: the tokens and log-probabilities of
+    the same call on `logits.float()`, bit for bit (16 rows: the rows split between the threads)."""
+    logits = (4 * torch.randn(rows, 49152, generator=generator)).bfloat16()
+    temps = torch.where(torch.arange(rows) % 2 == 0, 0.0, torch.rand(rows, generator=generator) + 0.3).tolist()
+    uniform = torch.rand(rows, dtype=torch.float64, generator=generator).tolist()
+    assert cpu_native.sample_plain(logits, temps, uniform) == cpu_native.sample_plain(logits.float(), temps, uniform)
+
+
+@vector_kernels
 def test_argmax_logsumexp_leaves_nan_and_infinite_rows_to_torchs_rules():
     logits = torch.zeros(4, 40)
     logits[0, 7] = float("nan")  # torch: a NaN is the maximum

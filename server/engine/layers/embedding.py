@@ -38,8 +38,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits in the model dtype, returned as fp32 (what transformers' generate compares on). Like
-    `Linear`, it may hold a low-bit copy of its weight for few-row steps."""
+    """Logits in the model dtype, as transformers' head gives them (the model runner hands the sampler
+    fp32 where it needs them). Like `Linear`, it may hold a low-bit copy of its weight for few-row steps."""
 
     def __init__(
         self,
@@ -61,4 +61,4 @@ class LMHead(nn.Module):
         logits = project(hidden, self.weight, None, self.low_bit)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
-        return logits.float()
+        return logits
