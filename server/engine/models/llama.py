@@ -191,7 +191,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` gives final hidden states for the packed step; `compute_logits` the fp32 logits.
+    """`forward` gives final hidden states for the packed step; `compute_logits` the logits (model dtype).
 
     With `tp` of size N the instance is one rank's shard (`parallel/sharding.py`): `num_kv_heads` is
     this rank's, and every rank must run each forward and `compute_logits` together (collectives).
