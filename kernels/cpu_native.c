@@ -2282,12 +2282,15 @@ struct prefill_part {
 };
 
 /* hidden [rows, hidden]: the embeddings in, the model's final norm of the last layer's output out
- * (final_norm: that norm's weight, with the layers' eps). cos/sin [rows, head_dim] in the model dtype;
- * slots as the attention's. The first prefill->starts[num_seqs] rows are the prefill's (prefill NULL:
- * none), attended by the tiled kernel; each row after them is a decode query with its own row of block
- * tables and context lengths. Shapes, tables and slots are checked before anything is written. */
+ * (final_norm: that norm's weight, with the layers' eps). cos/sin: the rotary tables [table_rows,
+ * head_dim] in the model dtype, row r rotating at positions[r] (a position past them: -4, the caller
+ * grows them); slots as the attention's. The first prefill->starts[num_seqs] rows are the prefill's
+ * (prefill NULL: none), attended by the tiled kernel; each row after them is a decode query with its
+ * own row of block tables and context lengths. Shapes, positions, tables and slots are checked before
+ * anything is written. */
 int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, const struct decoder_shape *s,
-                         void *hidden, const void *final_norm, const void *cos, const void *sin, const int64_t *slots,
+                         void *hidden, const void *final_norm, const void *cos, const void *sin,
+                         const int64_t *positions, int64_t table_rows, const int64_t *slots,
                          const struct prefill_part *prefill, const int32_t *block_tables, int64_t block_table_stride,
                          const int32_t *context_lens, int rows, int num_threads) {
     const int dtype = s->dtype, hd = s->head_dim;
@@ -2295,8 +2298,10 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
     const size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int64_t num_slots = (int64_t)s->num_blocks * s->block_size;
     if (hd > MAX_HEAD_DIM || hd % 2 || s->hidden > MAX_HIDDEN) return -1;
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < rows; r++) {
         if (slots[r] >= num_slots) return -3;
+        if (positions[r] < 0 || positions[r] >= table_rows) return -4;
+    }
     const int prefill_seqs = prefill ? (int)prefill->num_seqs : 0;
     const int prefill_rows = prefill_seqs ? prefill->starts[prefill_seqs] : 0;
     if (prefill_seqs) {
@@ -2318,8 +2323,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
     void *attended_or_act = (char *)qkv_or_gate_up + (size_t)rows * wide * elem;
     float *cos32 = (float *)((char *)attended_or_act + (size_t)rows * narrow * elem), *sin32 = cos32 + (size_t)rows * hd;
     for (int r = 0; r < rows; r++) {
-        load_f32(cos, (int64_t)r * hd, dtype, cos32 + (int64_t)r * hd, hd);
-        load_f32(sin, (int64_t)r * hd, dtype, sin32 + (int64_t)r * hd, hd);
+        load_f32(cos, positions[r] * hd, dtype, cos32 + (int64_t)r * hd, hd);
+        load_f32(sin, positions[r] * hd, dtype, sin32 + (int64_t)r * hd, hd);
     }
     int status = 0;
     for (int l = 0; l < num_layers && status == 0; l++) {

@@ -113,7 +113,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pagoda_argmax_logsumexp.argtypes = [p, i32, i32, p, p, i32]
     lib.pagoda_sample_rows.argtypes = [p, i32, i32, i32, p, p, p, p, i32]
     lib.pagoda_store_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64, i32]
-    lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, p, p, i64, p, i32, i32]
+    lib.pagoda_decode_layers.argtypes = [p, i32, p, p, p, p, p, p, i64, p, p, p, i64, p, i32, i32]
     lib.pagoda_linear_int4.argtypes = [p, p, p, p, p, p, i32, i32, i32, i32, i32, i32]
     lib.pagoda_linear_int8.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32]
     lib.amx = lib.pagoda_amx_init() == 0  # tile registers granted to this process
@@ -623,6 +623,10 @@ class _PrefillPart(ctypes.Structure):
     ]
 
 
+class BeyondRopeTables(LookupError):
+    """A step's position is past the rotary tables `DecodeLayers` was given (nothing was written)."""
+
+
 class DecodeLayers:
     """A model's decoder layers run as one native call per decode step (`pagoda_decode_layers`): the
     kernels the layers run op by op, in their order, so the result is theirs bit for bit. The weights'
@@ -676,8 +680,8 @@ class DecodeLayers:
     def __call__(
         self,
         hidden: torch.Tensor,  # [rows, hidden]: the embeddings; becomes the output's final norm
-        cos: torch.Tensor,  # [rows, 1, head_dim]
-        sin: torch.Tensor,
+        positions: torch.Tensor,  # [rows] int64
+        rope_tables: tuple[torch.Tensor, torch.Tensor],  # cos, sin [table positions, 1, head_dim]
         slot_mapping: torch.Tensor,  # [rows] int64
         block_tables: torch.Tensor,  # [decode rows, max_blocks] int32
         context_lens: torch.Tensor,  # [decode rows] int32
@@ -685,11 +689,14 @@ class DecodeLayers:
         prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The hidden states after every layer and the model's final norm, as the op-by-op forward gives
-        them; None where the step is one these kernels do not take (the caller runs the layers).
+        them; None where the step is one these kernels do not take (the caller runs the layers). Each
+        row's cos/sin are looked up in the tables in the call, not by torch ops before it; a position
+        past them raises BeyondRopeTables (nothing written: grow them and call again).
         `prefill`: (cu_seqlens_q, context lengths, block tables) of the step's first rows, attended by the
         tiled prefill kernel (`prefill_attention`); each row after them is a decode query of
         `block_tables`/`context_lens`."""
         rows = hidden.shape[0]
+        cos, sin = rope_tables
         kernels = self.kernels(rows)
         lib = library()
         if self._pool is None or self._pool[0] != id(kv_caches) or self._pool[1]() is not kv_caches[0][0]:
@@ -698,6 +705,9 @@ class DecodeLayers:
             kernels is None
             or hidden.dtype != self.dtype
             or not (hidden.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+            or cos.dtype != self.dtype
+            or sin.shape != cos.shape
+            or positions.dtype != torch.int64
             or slot_mapping.dtype != torch.int64
             or not self._attention_takes_caches
         ):
@@ -705,6 +715,7 @@ class DecodeLayers:
         shape = self.shape
         shape.qkv_kernel, shape.o_kernel, shape.gate_up_kernel, shape.down_kernel = kernels
         tables, lens, slots = _int32(block_tables), _int32(context_lens), _contiguous(slot_mapping)
+        positions = _contiguous(positions)
         part = None
         if prefill is not None:
             starts, prefill_lens, prefill_tables = (_int32(t) for t in prefill)
@@ -712,9 +723,12 @@ class DecodeLayers:
                                 prefill_tables.stride(0), prefill_lens.shape[0])  # fmt: skip
         status = lib.pagoda_decode_layers(
             ctypes.byref(self.structs), len(self.structs), ctypes.byref(shape), hidden.data_ptr(), self.final_norm.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), None if part is None else ctypes.byref(part),
-            tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), cos.shape[0], slots.data_ptr(),
+            None if part is None else ctypes.byref(part), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            rows, torch.get_num_threads(),
         )  # fmt: skip
+        if status == -4:
+            raise BeyondRopeTables(f"a position is past the {cos.shape[0]} of the rotary tables")
         if status in (-2, -3):
             raise IndexError("a block table entry or slot is outside the KV cache")
         if status != 0:

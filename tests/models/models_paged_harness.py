@@ -51,7 +51,7 @@ class PagedHarness:
     def step(self, prefills: dict[str, list[int]], decodes: dict[str, int]) -> dict[str, torch.Tensor]:
         """One packed step: prefill chunks first, then one decode token per sequence.
 
-        Returns each sequence's fp32 logits for the tokens it fed this step ([n, vocab]).
+        Returns each sequence's logits (the model dtype) for the tokens it fed this step ([n, vocab]).
         """
         ids, positions, slots, q_lens = [], [], [], []
         for seq, tokens in prefills.items():

@@ -108,6 +108,45 @@ def test_a_slot_outside_the_cache_is_an_index_error(tiny_llama_dir):
     assert model.model.native_decode._layers() is not None  # the native call raised it, not the layers
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_position_past_the_rotary_tables_grows_them_and_equals_the_layers(tiny_llama_dir, dtype, monkeypatch):
+    """The native call looks each row's cos/sin up in the model's tables; a position past them is
+    refused before anything is written, the tables grow, and the call runs again."""
+    model = load_model(tiny_llama_dir, dtype=dtype).model
+    harness = PagedHarness(model, block_size=8, num_blocks=4, seed=0)
+    harness.step({"a": [1, 2, 3]}, {})
+    rotary = model.model.rotary_emb
+    position = rotary.tables(model.dtype)[0].shape[0] + 5
+    tables = harness._tables(["a"])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(tables[0, 0]) * 8 + 3], dtype=torch.int64),
+        num_prefill_tokens=0,
+        decode_context_lens=torch.tensor([4], dtype=torch.int32),
+        decode_block_tables=tables,
+    )
+    outcomes = []
+    original = cpu_native.DecodeLayers.__call__
+
+    def recorded(self, *args):
+        try:
+            out = original(self, *args)
+        except cpu_native.BeyondRopeTables:
+            outcomes.append("beyond the tables")
+            raise
+        outcomes.append("ran" if out is not None else "declined")
+        return out
+
+    monkeypatch.setattr(cpu_native.DecodeLayers, "__call__", recorded)
+    hidden = {}
+    for native in (True, False):
+        model.model.native_decode.enabled = native
+        caches = [(k.clone(), v.clone()) for k, v in harness.kv_caches]
+        hidden[native] = model(torch.tensor([5]), torch.tensor([position]), meta, caches)
+    assert outcomes == ["beyond the tables", "ran"]
+    assert rotary.tables(model.dtype)[0].shape[0] > position
+    assert torch.equal(hidden[True], hidden[False])
+
+
 def test_a_prefill_block_outside_the_cache_is_an_index_error_before_anything_is_written(tiny_llama_dir):
     model = load_model(tiny_llama_dir, dtype="float32").model
     if not cpu_native.has_tiled_prefill(model.model.layers[0].self_attn.attn.head_dim):

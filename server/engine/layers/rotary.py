@@ -66,8 +66,9 @@ class RotaryEmbedding(nn.Module):
     and sin, cast once to the dtype q and k rotate in. On CPU a step looks them up in tables per dtype,
     doubled whenever a step goes past them (a model's position limit can be a million: its table would
     be gigabytes): four ops where computing them took thirteen, each slow on the caches a decode step's
-    weights have streamed through (about 0.1 ms of a one-row step). On a GPU they are computed per
-    step: a CUDA graph replays that, and a lookup would need the largest position on the host."""
+    weights have streamed through (about 0.1 ms of a one-row step), and none where the fused decode
+    layers look each row up in their native call (`tables`). On a GPU they are computed per step: a
+    CUDA graph replays that, and a lookup would need the largest position on the host."""
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -79,13 +80,17 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin), each [num_tokens, 1, head_dim] in `dtype`."""
         if positions.device.type != "cpu" or not positions.numel():
             return self.angles(positions, dtype)
-        end = int(positions.max()) + 1
+        cos, sin = self.tables(dtype, int(positions.max()) + 1)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def tables(self, dtype: torch.dtype, end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU (cos, sin) tables in `dtype`, each [positions, 1, head_dim], covering positions below
+        `end` (the fused decode layers look their rows up themselves)."""
         tables = self._tables.get(dtype)
         if tables is None or tables[0].shape[0] < end:
             size = 2 * tables[0].shape[0] if tables is not None else MIN_TABLE_POSITIONS
             tables = self._tables[dtype] = self._build(max(end, size), dtype)
-        cos, sin = tables
-        return cos.index_select(0, positions), sin.index_select(0, positions)
+        return tables
 
     @torch.no_grad()
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,10 +180,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if hidden.dtype != self.norm.weight.dtype:  # a table kept in bf16: widened
             hidden = hidden.to(self.norm.weight.dtype)
-        rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
-        native = self.native_decode(hidden, rope, attn_metadata, kv_caches)  # CPU decode steps
+        native = self.native_decode(hidden, positions, attn_metadata, kv_caches)  # CPU decode steps
         if native is not None:
             return native
+        rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, attn_metadata, kv_cache)

@@ -37,11 +37,12 @@ class NativeDecode:
     def __call__(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor | None:
-        """The hidden states after every layer and the final norm, or None: the caller runs the layers."""
+        """The hidden states after every layer and the final norm, or None: the caller runs the layers.
+        The rotary angles come from the model's tables, looked up in the native call."""
         if not (self.enabled and hidden.device.type == "cpu"):
             return None
         layers = self._layers()
@@ -51,8 +52,13 @@ class NativeDecode:
         if attention is None:
             return None
         prefill, tables, lens = attention
-        cos, sin = rope
-        return layers(hidden, cos, sin, meta.slot_mapping, tables, lens, kv_caches, prefill)
+        rotary = self.model.rotary_emb
+        try:
+            rope = rotary.tables(hidden.dtype)
+            return layers(hidden, positions, rope, meta.slot_mapping, tables, lens, kv_caches, prefill)
+        except cpu_native.BeyondRopeTables:  # rare: the tables double as positions grow
+            rope = rotary.tables(hidden.dtype, int(positions.max()) + 1)
+            return layers(hidden, positions, rope, meta.slot_mapping, tables, lens, kv_caches, prefill)
 
     def _attention(
         self, meta: AttentionMetadata, rows: int
