@@ -238,7 +238,7 @@ class ModelRunner:
         if out.decodes:
             meta.decode_context_lens = _on(torch.from_numpy((dec_pos + 1).astype(np.int32)), device)
             meta.decode_block_tables = self._block_table_tensor(out.decodes, device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        input_ids = _on(torch.from_numpy(np.array(ids, dtype=np.int64)), device)  # torch.tensor(list): slower
         pos_tensor = _on(torch.from_numpy(np.concatenate(positions).astype(np.int64)), device)
         return StepInputs(
             list(out.block_copies), input_ids, pos_tensor, meta, sample_rows, prompt_score_rows(out)
