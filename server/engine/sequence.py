@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import torch
@@ -160,7 +159,7 @@ class Request:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=copy.copy(self.metrics),  # the times as of this output (the engine goes on)
+            metrics=self.metrics.snapshot(),
             prompt_logprobs=self.prompt_logprobs if first else None,
             prompt_token_ranks=self.prompt_token_ranks if first else None,
         )
