@@ -88,6 +88,13 @@ def test_sliding_window_reads_only_the_window():
     assert costs.attended(0, 10) == (30 * 10, 30 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 8 + 8))
 
 
+def test_layers_of_each_window_are_counted_once_each():
+    """Interleaved full and sliding layers (Gemma-style): each layer reads its own window."""
+    costs = ModelCosts(0, 0, 0, 0, 0, 0, 0, 0, 0, sliding_windows=(None, 8, None, 8, 4))
+    assert costs.attended(100, 1) == (101 + 8 + 101 + 8 + 4, 101 + 8 + 101 + 8 + 4)
+    assert costs.attended(2, 3)[1] == 2 * (3 + 4 + 5) + 2 * (3 + 4 + 5) + (3 + 4 + 4)
+
+
 def test_meter_counts_bounds_and_records():
     with torch.device("meta"):
         model = LlamaForCausalLM(_smollm2_config())
