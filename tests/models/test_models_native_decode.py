@@ -113,11 +113,11 @@ def test_a_position_past_the_rotary_tables_grows_them_and_equals_the_layers(tiny
     """The native call looks each row's cos/sin up in the model's tables; a position past them is
     refused before anything is written, the tables grow, and the call runs again."""
     model = load_model(tiny_llama_dir, dtype=dtype).model
-    layers = model.model.native_decode._layers()
-    if layers is None or layers.kernels(1) is None:
-        pytest.skip(f"no native kernel runs a one-row {dtype} step on this CPU tier")
     harness = PagedHarness(model, block_size=8, num_blocks=4, seed=0)
     harness.step({"a": [1, 2, 3]}, {})
+    layers = model.model.native_decode._layers()  # built for the harness's attention backend
+    if layers is None or layers.kernels(1) is None:
+        pytest.skip(f"no native kernel runs a one-row {dtype} step on this CPU tier")
     rotary = model.model.rotary_emb
     position = rotary.tables(model.dtype)[0].shape[0] + 5
     tables = harness._tables(["a"])
