@@ -100,7 +100,7 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[:rows],
         )
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta, self.kv_caches)
-        return hidden, self.model.compute_logits(hidden).float()  # the sampler's fp32, in the graph
+        return hidden, self.model.compute_logits(hidden).float()  # the sampler's widening, inside the graph
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured batch that holds `num_seqs` rows (None: more than the largest)."""

@@ -69,13 +69,6 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def _for_sampler(logits: torch.Tensor) -> torch.Tensor:
-    """The logits as the sampler takes them: fp32, but on CPU in the model dtype, whose native sampler
-    widens each bf16 row in its caches (an fp32 copy of a 16-row step's logits took ~0.25 ms more,
-    docs/kernels.md); its torch ops widen them first."""
-    return logits if logits.dtype == torch.float32 or logits.device.type == "cpu" else logits.float()
-
-
 def cpu_kv_budget() -> int:
     """Default KV pool on CPU: a quarter of the available RAM, at most 2 GiB."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -279,4 +272,4 @@ class ModelRunner:
         self.timings.prepare_s += prepared - started
         self.timings.forward_s += time.perf_counter() - prepared
         sampled = [item for item in out.scheduled if item.completes]
-        return _for_sampler(logits), sampled  # on the model's device: the sampler moves only what it must
+        return logits, sampled  # model dtype, on the model's device: the sampler widens and moves what it must

@@ -80,7 +80,7 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [rows, vocab]: fp32, or bf16 on CPU (the native pass widens it)
+        logits: torch.Tensor,  # [rows, vocab] in the model dtype: widened to fp32 here, row by row natively
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         token_lists: list[tuple[list[int], list[int]]] | None = None,  # (prompt, output) ids per row

@@ -38,8 +38,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits in the model dtype, as transformers' head gives them (the model runner hands the sampler
-    fp32 where it needs them). Like `Linear`, it may hold a low-bit copy of its weight for few-row steps."""
+    """Logits in the model dtype, as transformers' head gives them (the sampler widens what it reads).
+    Like `Linear`, it may hold a low-bit copy of its weight for few-row steps."""
 
     def __init__(
         self,
