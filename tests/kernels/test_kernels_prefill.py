@@ -189,8 +189,8 @@ def test_long_prefills_tile_by_tile_match_reference(
     group, block_size, head_dim, dtype, reference, generator, monkeypatch
 ):
     shape = {"group": group, "block_size": block_size, "dtype": dtype, "head_dim": head_dim}
-    tiled = cpu_native.has_tiled_prefill(head_dim)
-    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [tiled]
+    tiled = cpu_native.has_tiled_prefill(head_dim)  # elsewhere flash attends: the kernel is never called
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == ([True] if tiled else [])
 
 
 @pytest.mark.parametrize("window", [1, 7, 100])
@@ -198,4 +198,5 @@ def test_long_prefills_tile_by_tile_match_reference(
 def test_long_prefills_with_a_sliding_window_tile_by_tile(window, dtype, reference, generator, monkeypatch):
     """Windows narrower than a tile, than a chunk of keys, and wider: each row sees its own window."""
     shape = {"group": 3, "block_size": 16, "dtype": dtype, "sliding_window": window}
-    assert _tiled_calls(reference, generator, monkeypatch, **shape) == [cpu_native.has_tiled_prefill(32)]
+    tiled = cpu_native.has_tiled_prefill(32)
+    assert _tiled_calls(reference, generator, monkeypatch, **shape) == ([True] if tiled else [])
