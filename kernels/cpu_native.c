@@ -2146,64 +2146,10 @@ static int lanes_linear(const void *x, const int dtype, const void *w, const int
     return 0;
 }
 
-/* ---- One row on bf16 weights, 16 inputs a load ----------------------------------------------
- * A 32-bit word of the weights holds inputs 2i (its low half) and 2i + 1 (its high half), so a shift
- * and an AND make the fp32 vectors of a load's even and odd inputs, against the row split once a call
- * into its even and odd inputs. Widening 8 weights at a time took a zero-extension and a shift each:
- * twice the ops, which bounded one row on Zen 1 (its 256-bit ops run as two halves; SmolLM2 bf16 at
- * one row read 15 GB/s where fp32 read 26). The outputs as `DEFINE_LINEAR`'s one row: each thread's
- * share in TILE runs, a tile taking an output of each. */
-INLINE void bf16w_outputs(const float *even, const float *odd, const float *x, const uint16_t *w, const void *bias,
-                          void *y, int64_t n0, int K, int64_t apart, const int NB, const int dtype) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 acc_even[TILE], acc_odd[TILE];
-    for (int n = 0; n < NB; n++) acc_even[n] = acc_odd[n] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256 xe = _mm256_loadu_ps(even + k / 2), xo = _mm256_loadu_ps(odd + k / 2);
-        for (int n = 0; n < NB; n++) {
-            const __m256i pairs = _mm256_loadu_si256((const __m256i *)(w + n * apart * K + k));
-            acc_even[n] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)), acc_even[n]);
-            acc_odd[n] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(pairs, high)), acc_odd[n]);
-        }
-    }
-    for (; k < K; k += 8)
-        for (int n = 0; n < NB; n++)
-            acc_even[n] = _mm256_fmadd_ps(load8(x, k, K - k, DTYPE_F32), load8(w, n * apart * K + k, K - k, DTYPE_BF16),
-                                          acc_even[n]);
-    for (int n = 0; n < NB; n++) acc_even[n] = _mm256_add_ps(acc_even[n], acc_odd[n]);
-    float sums[TILE];
-    if (NB == TILE)
-        _mm_storeu_ps(sums, sum4_avx2(acc_even[0], acc_even[1], acc_even[2], acc_even[3]));
-    else
-        for (int n = 0; n < NB; n++) sums[n] = hsum8(acc_even[n]);
-    for (int n = 0; n < NB; n++) store_output(y, n0 + n * apart, sums[n], bias, n0 + n * apart, dtype);
-}
-
-static int one_row_bf16w(const void *x, const int dtype, const uint16_t *w, const void *bias, void *y, int N, int K,
-                         int num_threads) {
-    float *x32 = malloc((size_t)2 * K * sizeof(float)), *even = x32 + K, *odd = even + K / 2;
-    if (!x32) return -1;
-    load_f32(x, 0, dtype, x32, K);
-    for (int i = 0; i < K / 2; i++) even[i] = x32[2 * i], odd[i] = x32[2 * i + 1];
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        const int lo = (int)((int64_t)N * t / team), hi = (int)((int64_t)N * (t + 1) / team), part = (hi - lo) / TILE;
-        for (int n = lo; n < lo + part; n++)
-            bf16w_outputs(even, odd, x32, w + (int64_t)n * K, bias, y, n, K, part, TILE, dtype);
-        for (int n = lo + TILE * part; n < hi; n++)
-            bf16w_outputs(even, odd, x32, w + (int64_t)n * K, bias, y, n, K, 1, 1, dtype);
-    }
-    free(x32);
-    return 0;
-}
-
 /* bf16 rows on bf16 weights: the rows widened once into x^T, each output rounded once. */
 int pagoda_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                        int num_threads) {
     if (lanes_take(M)) return lanes_linear(x, DTYPE_BF16, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
-    if (M == 1) return one_row_bf16w(x, DTYPE_BF16, w, bias, y, N, K, num_threads);
     return dot_linear_bf16(x, w, bias, y, M, N, K, num_threads);
 }
 
@@ -2268,7 +2214,6 @@ int pagoda_linear_f32_bf16w(const float *x, const uint16_t *w, const float *bias
     if (M >= PACKED_MIN_ROWS) return packed_linear_f32(x, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
 #if defined(PAGODA_AVX2)
     if (lanes_take(M)) return lanes_linear(x, DTYPE_F32, w, DTYPE_BF16, bias, y, M, N, K, num_threads);
-    if (M == 1) return one_row_bf16w(x, DTYPE_F32, w, bias, y, N, K, num_threads);
 #endif
     return dot_linear_f32_bf16w(x, w, bias, y, M, N, K, num_threads);
 }
