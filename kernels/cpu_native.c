@@ -2380,13 +2380,10 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
  * (high), as GGUF stores them; scales and mins [N][K / group] fp32. y[n] = sum_g scale_g (q_g . x_g)
  * + sum_g min_g sum(x_g): the sums of x per group are taken once per row, the second sum is a short
  * dot product per output. The weights are read once per step at a quarter of bf16's bytes; the
- * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`), on AVX2 integer
- * products with the rows quantized to int8 (`quantize_rows_q8`). */
+ * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`). */
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
 #define INT4_MAX_GROUPS 1024
-#endif
 
-#if defined(__AVX512F__)
 /* The rows in fp32, then each row's sums of its groups of inputs (freed by the caller; NULL: no memory). */
 static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
     const int groups = K / group;
@@ -2403,6 +2400,10 @@ static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
     }
     return x32;
 }
+
+#endif
+
+#if defined(__AVX512F__)
 
 INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
                       const void *bias, void *y, int K, int group, int ldy, int n0, const int MB, const int NB,
@@ -2605,75 +2606,42 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
     return 0;
 }
 #elif defined(PAGODA_AVX2)
-/* The rows quantized per 32 inputs, as llama.cpp's Q8 activations: int8 values and their scale (the
- * chunk's largest magnitude / 127, rounded to nearest), so a chunk's 32 products are integer ones.
- * Zen 1 runs each 256-bit op as two halves, and widening the nibbles to fp32 for fused multiply-adds
- * (four conversions and four FMAs a chunk) left the one-row 4-bit layers slower than bf16's stream
- * (SmolLM2, served: 20.2 against 17.7 ms a token). The mins' part keeps x's exact fp32 group sums. */
-struct q8_rows {
-    int8_t *values; /* [M][K] */
-    float *scales;  /* [M][K / 32] */
-    float *sums;    /* [M][K / group]: fp32 sums of x */
-};
-
-static int quantize_rows_q8(const void *x, int M, int K, int group, int dtype, struct q8_rows *out) {
-    const int chunks = K / 32, groups = K / group;
-    char *memory = malloc((size_t)M * K + (size_t)M * (chunks + groups) * sizeof(float) + (size_t)K * sizeof(float));
-    if (!memory) return -1;
-    out->scales = (float *)memory;
-    out->sums = out->scales + (size_t)M * chunks;
-    float *row = out->sums + (size_t)M * groups;
-    out->values = (int8_t *)(row + K);
-    for (int m = 0; m < M; m++) {
-        load_f32(x, (int64_t)m * K, dtype, row, K);
-        for (int g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < group; i++) s += row[g * group + i];
-            out->sums[(int64_t)m * groups + g] = s;
-        }
+/* One output of one fp32 row, its weight row read start to end: a chunk's 16 bytes widen to four
+ * vectors of 8 nibbles (inputs k..k+7 and k+8..k+15 from the low nibbles, k+16.. from the high ones),
+ * into four partial sums (four FMA chains), scaled into acc at the end of each group. */
+INLINE float int4_row_f32(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
+                          int K, int group) {
+    const int groups = K / group, chunks = group / 32;
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int c = 0; c < chunks; c++) {
-            const float *v = row + 32 * c;
-            float top = 0.0f;
-            for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(v[i]));
-            const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-            out->scales[(int64_t)m * chunks + c] = scale;
-            for (int i = 0; i < 32; i++) out->values[(int64_t)m * K + 32 * c + i] = (int8_t)lrintf(v[i] * inverse);
+            const int k = g * group + 32 * c;
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + k / 2));
+            const __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+            part[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), _mm256_loadu_ps(x + k), part[0]);
+            part[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), _mm256_loadu_ps(x + k + 8), part[1]);
+            part[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_loadu_ps(x + k + 16), part[2]);
+            part[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(x + k + 24), part[3]);
         }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
+        acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scales[g]), acc);
     }
-    return 0;
-}
-
-/* Chunk c of a weight row against the row's int8 chunk: the 32 integer products summed (vpmaddubsw:
- * unsigned nibbles times signed bytes, in pairs; vpmaddwd: in fours), in 8 fp32 lanes. Nibbles: the
- * low ones are inputs 0-15 of the chunk, the high ones 16-31 (GGUF's layout). */
-INLINE __m256 q4_q8_chunk(const uint8_t *q, const int8_t *xq, int c) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * (int64_t)c)), low = _mm_set1_epi8(0x0f);
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-    const __m256i pairs = _mm256_maddubs_epi16(nibbles, _mm256_loadu_si256((const __m256i *)(xq + 32 * (int64_t)c)));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* One output of one row: each chunk's integer dot scaled by its weight group's scale times the row
- * chunk's, two chains of FMAs (odd and even chunks); then sum_g min_g sum(x_g). */
-INLINE float int4_row_q8(const int8_t *xq, const float *xscales, const uint8_t *q, const float *scales,
-                         const float *mins, const float *xsum, int K, int group) {
-    const int chunks = K / 32, groups = K / group, per_group = group / 32;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int c = 0; c < chunks; c++)
-        acc[c & 1] = _mm256_fmadd_ps(q4_q8_chunk(q, xq, c), _mm256_set1_ps(scales[c / per_group] * xscales[c]), acc[c & 1]);
-    __m256 shift = _mm256_setzero_ps();
+    __m256 shift = _mm256_setzero_ps(); /* sum_g min_g sum(x_g) */
     for (int g = 0; g < groups; g += 8)
         shift = _mm256_fmadd_ps(load8(mins, g, groups - g, DTYPE_F32), load8(xsum, g, groups - g, DTYPE_F32), shift);
-    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), shift));
+    return hsum8(_mm256_add_ps(acc, shift));
 }
 
 /* Each output's weight row is read once from DRAM and again from L1 for the step's other rows. */
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads) {
     if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
-    const int groups = K / group, chunks = K / 32, ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
-    struct q8_rows rows;
-    if (quantize_rows_q8(x, M, K, group, dtype, &rows)) return -1;
+    const int groups = K / group, ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
+    float *x32 = int4_inputs(x, M, K, group, dtype);
+    if (!x32) return -1;
+    const float *xsum = x32 + (size_t)M * K;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
         const uint8_t *qn = q + (int64_t)n * K / 2;
@@ -2683,14 +2651,13 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
             prefetch_span(sn + (int64_t)ahead * groups, 4 * groups);
             prefetch_span(mn + (int64_t)ahead * groups, 4 * groups);
         }
-        for (int m = 0; m < M; m++) {
-            const int8_t *xq = rows.values + (int64_t)m * K;
-            const float *xs = rows.scales + (int64_t)m * chunks, *sm = rows.sums + (int64_t)m * groups;
-            const float v = group == 32 ? int4_row_q8(xq, xs, qn, sn, mn, sm, K, 32) : int4_row_q8(xq, xs, qn, sn, mn, sm, K, group);
+        for (int m = 0; m < M; m++) { /* GGUF's groups of 32 as a constant: no chunk loop */
+            const float *xm = x32 + (int64_t)m * K, *sm = xsum + (int64_t)m * groups;
+            const float v = group == 32 ? int4_row_f32(xm, qn, sn, mn, sm, K, 32) : int4_row_f32(xm, qn, sn, mn, sm, K, group);
             store_output(y, (int64_t)m * N + n, v, bias, n, dtype);
         }
     }
-    free(rows.scales);
+    free(x32);
     return 0;
 }
 #else
@@ -2736,32 +2703,24 @@ int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const
     return 0;
 }
 #elif defined(PAGODA_AVX2)
-/* The row quantized per 32 inputs (the 4-bit kernel's `quantize_rows_q8`), so a chunk of a weight row
- * is 32 integer products (vpmaddubsw takes one unsigned operand: |x| against w carrying x's sign, as
- * llama.cpp does) where widening the weights to fp32 took four conversions and four FMAs. */
 int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const void *bias, void *y, int M, int N,
                        int K, int dtype, int num_threads) {
     if (M != 1 || K % 32 || K > MAX_HIDDEN) return -1; /* K: a hidden size */
-    struct q8_rows row_q8;
-    if (quantize_rows_q8(x, 1, K, 32, dtype, &row_q8)) return -1;
-    const int8_t *xq = row_q8.values;
-    const float *xscales = row_q8.scales;
-    const int ahead = rows_ahead(K), chunks = K / 32;
+    float x32[MAX_HIDDEN];
+    load_f32(x, 0, dtype, x32, K);
+    const int ahead = rows_ahead(K);
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
         const int8_t *row = q + (int64_t)n * K;
         if (n + ahead < N) prefetch_span(row + (int64_t)ahead * K, K);
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int c = 0; c < chunks; c++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(wv, xv));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-            acc[c & 1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xscales[c]), acc[c & 1]);
-        }
+        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int k = 0; k < K; k += 32)
+            for (int u = 0; u < 4; u++) /* four chains: the FMA latency */
+                part[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8 * u)))),
+                                          _mm256_loadu_ps(x32 + k + 8 * u), part[u]);
         float v;
         load_f32(scales, n, dtype, &v, 1);
-        v *= hsum8(_mm256_add_ps(acc[0], acc[1]));
+        v *= hsum8(_mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3])));
         if (bias) {
             float b;
             load_f32(bias, n, dtype, &b, 1);
@@ -2769,7 +2728,6 @@ int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const
         }
         store_f32(y, n, dtype, &v, 1);
     }
-    free(row_q8.scales);
     return 0;
 }
 #else

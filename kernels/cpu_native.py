@@ -284,22 +284,6 @@ def has_tiled_prefill(head_dim: int) -> bool:
     return lib is not None and lib.lanes == 16 and head_dim % 16 == 0 and head_dim <= lib.max_head_dim
 
 
-def low_bit_rows_in_int8() -> bool:
-    """The 4-bit and int8 kernels built here quantize their rows to int8 per 32 inputs for integer
-    products (AVX2, as llama.cpp's Q8 activations), where the AVX-512 ones multiply them in fp32 or bf16."""
-    lib = library()
-    return lib is not None and lib.lanes == 8
-
-
-def int8_chunks(x: torch.Tensor) -> torch.Tensor:
-    """fp32 rows as those int8 kernels multiply them: each 32 inputs as int8 values times a scale (their
-    largest magnitude / 127; values rounded to nearest even), back in fp32. The tests' reference."""
-    chunks = x.reshape(*x.shape[:-1], -1, 32)
-    top = chunks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-    return (torch.round(chunks * inverse) * (top / 127.0)).reshape(x.shape)
-
-
 def has_vector_kernels() -> bool:
     """The vector kernels (AVX-512 or AVX2: SiLU x up, the low-bit linears, the fused decode layers)
     are built here."""
@@ -366,13 +350,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     out_features, in_features = q.shape
     chunks = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
-
-
-def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
-    """`pack_int4`'s inverse: [out, in / 2] bytes -> q [out, in] in 0..15 (uint8)."""
-    out_features = nibbles.shape[0]
-    chunks = nibbles.view(out_features, -1, 1, 16)
-    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(out_features, -1)
 
 
 def _int4_layout(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> bool:
