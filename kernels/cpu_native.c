@@ -2380,7 +2380,8 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
  * (high), as GGUF stores them; scales and mins [N][K / group] fp32. y[n] = sum_g scale_g (q_g . x_g)
  * + sum_g min_g sum(x_g): the sums of x per group are taken once per row, the second sum is a short
  * dot product per output. The weights are read once per step at a quarter of bf16's bytes; the
- * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`). */
+ * arithmetic is fp32 (one bf16 row: bf16 products, summed in fp32, `int4_row_bf16`), on AVX2 integer
+ * products with the rows quantized to int16 (`quantize_rows_int16`). */
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
 #define INT4_MAX_GROUPS 1024
 
@@ -2606,42 +2607,82 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
     return 0;
 }
 #elif defined(PAGODA_AVX2)
-/* One output of one fp32 row, its weight row read start to end: a chunk's 16 bytes widen to four
- * vectors of 8 nibbles (inputs k..k+7 and k+8..k+15 from the low nibbles, k+16.. from the high ones),
- * into four partial sums (four FMA chains), scaled into acc at the end of each group. */
-INLINE float int4_row_f32(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
-                          int K, int group) {
-    const int groups = K / group, chunks = group / 32;
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    __m256 acc = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int c = 0; c < chunks; c++) {
-            const int k = g * group + 32 * c;
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + k / 2));
-            const __m256i first = _mm256_cvtepu8_epi32(bytes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-            part[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), _mm256_loadu_ps(x + k), part[0]);
-            part[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), _mm256_loadu_ps(x + k + 8), part[1]);
-            part[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_loadu_ps(x + k + 16), part[2]);
-            part[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(x + k + 24), part[3]);
+/* The rows quantized per 32 inputs to int16 (scale: the chunk's largest magnitude / 32767, values
+ * rounded to nearest): each value within 2^-16 of the chunk's largest, closer than a bf16 rounding of
+ * it, and a chunk's 32 products are integer ones (vpmaddwd). Zen 1 runs each 256-bit op as two halves,
+ * and widening the nibbles to fp32 for fused multiply-adds (four conversions and four FMAs a chunk)
+ * left the one-row 4-bit layers slower than bf16's stream (SmolLM2, served: 20.2 against 17.7 ms a
+ * token). int8 rows (llama.cpp's Q8 activations) were faster still (the GGUF one-row step 18.1 -> 12.0
+ * ms against 13.4 for int16) but changed the greedy answers twice as often as the 4-bit weights do
+ * (docs/benchmarks.md). The mins' part keeps x's exact fp32 group sums. */
+struct int16_rows {
+    int16_t *values; /* [M][K] */
+    float *scales;   /* [M][K / 32] */
+    float *sums;     /* [M][K / group]: fp32 sums of x */
+};
+
+static int quantize_rows_int16(const void *x, int M, int K, int group, int dtype, struct int16_rows *out) {
+    const int chunks = K / 32, groups = K / group;
+    char *memory = malloc((size_t)M * K * sizeof(int16_t) + ((size_t)M * (chunks + groups) + K) * sizeof(float));
+    if (!memory) return -1;
+    out->scales = (float *)memory;
+    out->sums = out->scales + (size_t)M * chunks;
+    float *row = out->sums + (size_t)M * groups;
+    out->values = (int16_t *)(row + K);
+    for (int m = 0; m < M; m++) {
+        load_f32(x, (int64_t)m * K, dtype, row, K);
+        for (int g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < group; i++) s += row[g * group + i];
+            out->sums[(int64_t)m * groups + g] = s;
         }
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
-        acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scales[g]), acc);
+        for (int c = 0; c < chunks; c++) {
+            const float *v = row + 32 * c;
+            float top = 0.0f;
+            for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(v[i]));
+            const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+            out->scales[(int64_t)m * chunks + c] = top / 32767.0f;
+            for (int i = 0; i < 32; i++) out->values[(int64_t)m * K + 32 * c + i] = (int16_t)lrintf(v[i] * inverse);
+        }
     }
-    __m256 shift = _mm256_setzero_ps(); /* sum_g min_g sum(x_g) */
+    return 0;
+}
+
+/* Chunk c of a weight row against the row's int16 chunk: the 32 integer products summed (vpmaddwd: in
+ * pairs, then the two halves), in 8 fp32 lanes. Nibbles: the low ones are inputs 0-15 of the chunk, the
+ * high ones 16-31 (GGUF's layout). */
+INLINE __m256 q4_int16_chunk(const uint8_t *q, const int16_t *xq, int c) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * (int64_t)c)), low = _mm_set1_epi8(0x0f);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    const __m256i *x16 = (const __m256i *)(xq + 32 * (int64_t)c);
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x16)),
+                                          _mm256_madd_epi16(hi, _mm256_loadu_si256(x16 + 1)));
+    return _mm256_cvtepi32_ps(sums);
+}
+
+/* One output of one row: each chunk's integer dot scaled by its weight group's scale times the row
+ * chunk's, two chains of FMAs (odd and even chunks); then sum_g min_g sum(x_g). */
+INLINE float int4_row_int16(const int16_t *xq, const float *xscales, const uint8_t *q, const float *scales,
+                         const float *mins, const float *xsum, int K, int group) {
+    const int chunks = K / 32, groups = K / group, per_group = group / 32;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int c = 0; c < chunks; c++)
+        acc[c & 1] = _mm256_fmadd_ps(q4_int16_chunk(q, xq, c), _mm256_set1_ps(scales[c / per_group] * xscales[c]),
+                                     acc[c & 1]);
+    __m256 shift = _mm256_setzero_ps();
     for (int g = 0; g < groups; g += 8)
         shift = _mm256_fmadd_ps(load8(mins, g, groups - g, DTYPE_F32), load8(xsum, g, groups - g, DTYPE_F32), shift);
-    return hsum8(_mm256_add_ps(acc, shift));
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), shift));
 }
 
 /* Each output's weight row is read once from DRAM and again from L1 for the step's other rows. */
 int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, const float *mins, const void *bias,
                        void *y, int M, int N, int K, int group, int dtype, int num_threads) {
     if (group % 32 || K % group || K / group > INT4_MAX_GROUPS) return -1;
-    const int groups = K / group, ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
-    float *x32 = int4_inputs(x, M, K, group, dtype);
-    if (!x32) return -1;
-    const float *xsum = x32 + (size_t)M * K;
+    const int groups = K / group, chunks = K / 32, ahead = rows_ahead(K / 2 + 8 * groups); /* nibbles, scales and mins */
+    struct int16_rows rows;
+    if (quantize_rows_int16(x, M, K, group, dtype, &rows)) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
         const uint8_t *qn = q + (int64_t)n * K / 2;
@@ -2651,13 +2692,15 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
             prefetch_span(sn + (int64_t)ahead * groups, 4 * groups);
             prefetch_span(mn + (int64_t)ahead * groups, 4 * groups);
         }
-        for (int m = 0; m < M; m++) { /* GGUF's groups of 32 as a constant: no chunk loop */
-            const float *xm = x32 + (int64_t)m * K, *sm = xsum + (int64_t)m * groups;
-            const float v = group == 32 ? int4_row_f32(xm, qn, sn, mn, sm, K, 32) : int4_row_f32(xm, qn, sn, mn, sm, K, group);
+        for (int m = 0; m < M; m++) {
+            const int16_t *xq = rows.values + (int64_t)m * K;
+            const float *xs = rows.scales + (int64_t)m * chunks, *sm = rows.sums + (int64_t)m * groups;
+            const float v = group == 32 ? int4_row_int16(xq, xs, qn, sn, mn, sm, K, 32)
+                                        : int4_row_int16(xq, xs, qn, sn, mn, sm, K, group);
             store_output(y, (int64_t)m * N + n, v, bias, n, dtype);
         }
     }
-    free(x32);
+    free(rows.scales);
     return 0;
 }
 #else
@@ -2703,24 +2746,33 @@ int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const
     return 0;
 }
 #elif defined(PAGODA_AVX2)
+/* The row quantized per 32 inputs (the 4-bit kernel's `quantize_rows_int16`), so a chunk of a weight
+ * row is 32 integer products (vpmaddwd on the weights sign-extended to 16 bits), where widening them to
+ * fp32 took four conversions and four FMAs. */
 int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const void *bias, void *y, int M, int N,
                        int K, int dtype, int num_threads) {
     if (M != 1 || K % 32 || K > MAX_HIDDEN) return -1; /* K: a hidden size */
-    float x32[MAX_HIDDEN];
-    load_f32(x, 0, dtype, x32, K);
-    const int ahead = rows_ahead(K);
+    struct int16_rows row16;
+    if (quantize_rows_int16(x, 1, K, 32, dtype, &row16)) return -1;
+    const int16_t *xq = row16.values;
+    const float *xscales = row16.scales;
+    const int ahead = rows_ahead(K), chunks = K / 32;
 #pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
         const int8_t *row = q + (int64_t)n * K;
         if (n + ahead < N) prefetch_span(row + (int64_t)ahead * K, K);
-        __m256 part[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int k = 0; k < K; k += 32)
-            for (int u = 0; u < 4; u++) /* four chains: the FMA latency */
-                part[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k + 8 * u)))),
-                                          _mm256_loadu_ps(x32 + k + 8 * u), part[u]);
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < chunks; c++) {
+            const __m128i *w16 = (const __m128i *)(row + 32 * c);
+            const __m256i *x16 = (const __m256i *)(xq + 32 * c);
+            const __m256i sums = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w16)), _mm256_loadu_si256(x16)),
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w16 + 1)), _mm256_loadu_si256(x16 + 1)));
+            acc[c & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xscales[c]), acc[c & 1]);
+        }
         float v;
         load_f32(scales, n, dtype, &v, 1);
-        v *= hsum8(_mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3])));
+        v *= hsum8(_mm256_add_ps(acc[0], acc[1]));
         if (bias) {
             float b;
             load_f32(bias, n, dtype, &b, 1);
@@ -2728,6 +2780,7 @@ int pagoda_linear_int8(const void *x, const int8_t *q, const void *scales, const
         }
         store_f32(y, n, dtype, &v, 1);
     }
+    free(row16.scales);
     return 0;
 }
 #else

@@ -352,6 +352,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
 
 
+def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: [out, in / 2] bytes -> q [out, in] in 0..15 (uint8)."""
+    out_features = nibbles.shape[0]
+    chunks = nibbles.view(out_features, -1, 1, 16)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(out_features, -1)
+
+
 def _int4_layout(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> bool:
     """The tensors are what the 4-bit kernel reads (a module cast to another dtype casts its scales)."""
     return (

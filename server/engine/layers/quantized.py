@@ -63,8 +63,7 @@ class Int4Weight(nn.Module):
             if y is not None:
                 return y
         if self._torch_layout is None:  # an input the native kernel does not take: torch's, from the nibbles
-            nibbles = self.nibbles.view(self.out_features, -1, 1, 16)
-            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(self.out_features, self.in_features)
+            q = cpu_native.unpack_int4(self.nibbles)
             self._torch_layout = self._pack_for_torch(q, self.scales, self.mins + 8 * self.scales)
         packed, scales_and_zeros = self._torch_layout
         if scales_and_zeros.dtype != x.dtype:  # the kernel takes them in the activations' dtype
@@ -77,8 +76,11 @@ class Int4Weight(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The dense [out, in] weight these groups stand for (tests, and the accuracy measurements)."""
-        eye = torch.eye(self.in_features, dtype=self.dtype)
-        return self.matmul(eye, None).t()
+        if self.nibbles is None:  # torch's packed layout: through its kernel
+            eye = torch.eye(self.in_features, dtype=self.dtype)
+            return self.matmul(eye, None).t()
+        steps = cpu_native.unpack_int4(self.nibbles) * self.scales.repeat_interleave(self.group_size, 1)
+        return (steps + self.mins.repeat_interleave(self.group_size, 1)).to(self.dtype)
 
 
 class Int8Weight(nn.Module):
