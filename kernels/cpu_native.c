@@ -2384,7 +2384,9 @@ int pagoda_decode_layers(const struct decoder_layer *layers, int num_layers, con
  * products with the rows quantized to int16 (`quantize_rows_int16`). */
 #if defined(__AVX512F__) || defined(PAGODA_AVX2)
 #define INT4_MAX_GROUPS 1024
+#endif
 
+#if defined(__AVX512F__)
 /* The rows in fp32, then each row's sums of its groups of inputs (freed by the caller; NULL: no memory). */
 static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
     const int groups = K / group;
@@ -2402,9 +2404,6 @@ static float *int4_inputs(const void *x, int M, int K, int group, int dtype) {
     return x32;
 }
 
-#endif
-
-#if defined(__AVX512F__)
 
 INLINE void int4_tile(const float *x, const uint8_t *q, const float *scales, const float *mins, const float *xsum,
                       const void *bias, void *y, int K, int group, int ldy, int n0, const int MB, const int NB,
@@ -2664,7 +2663,7 @@ INLINE __m256 q4_int16_chunk(const uint8_t *q, const int16_t *xq, int c) {
 /* One output of one row: each chunk's integer dot scaled by its weight group's scale times the row
  * chunk's, two chains of FMAs (odd and even chunks); then sum_g min_g sum(x_g). */
 INLINE float int4_row_int16(const int16_t *xq, const float *xscales, const uint8_t *q, const float *scales,
-                         const float *mins, const float *xsum, int K, int group) {
+                            const float *mins, const float *xsum, int K, int group) {
     const int chunks = K / 32, groups = K / group, per_group = group / 32;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int c = 0; c < chunks; c++)
