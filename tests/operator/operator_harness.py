@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ async def running_operator(k8s: kmock.KubernetesEmulator, namespaces: list[str] 
         stop.set()
         await asyncio.to_thread(thread.join, 20)
     assert not thread.is_alive(), "the operator did not stop"
-    assert not errors, errors
+    assert not errors, "".join(traceback.format_exception(errors[0]))  # where in kopf it came from
 
 
 def isvc(name: str = "llm", **spec: Any) -> dict[str, Any]:
