@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from pagoda.operator import apply, crd, kube, operator_metrics, render, routing, status
+from pagoda.operator import apply, crd, daemons, kube, operator_metrics, render, routing, status
 from pagoda.operator import leaderworkerset as lws
 
 GROUP, VERSION, PLURAL = crd.GROUP, crd.VERSION, crd.PLURAL
@@ -162,7 +162,7 @@ async def refresh_status(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonS
                 except kube.APIError as exc:
                     operator_metrics.ERRORS.labels("status").inc()
                     logger.warning(f"status refresh failed: {exc}")
-        await stopped.wait(CONFIG.status_interval)
+        await daemons.pause(stopped, CONFIG.status_interval)
 
 
 # --- autoscaler: operator/autoscaling/ registers its handlers on import --------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from kopf._cogs.aiokits.aioenums import FlagSetter as DaemonStopper  # the daemons' pause tests stop with it
 from kopf._cogs.clients import api as kopf_api
 from kopf._cogs.clients import errors as kopf_errors
 from kopf._cogs.structs import references as peering_references  # the peering tests check the chart's CRDs
@@ -80,5 +81,6 @@ async def patch_status(namespace: str, name: str, status: Mapping[str, Any], log
     await patch(path(crd.API_VERSION, crd.PLURAL, namespace, name, "status"), {"status": dict(status)},
                 MERGE_PATCH, logger)
 
-__all__ = ["MERGE_PATCH", "APIError", "Logger", "NotFound", "PeeringIdentity", "delete", "get", "get_deployment",
-           "get_existing", "list_pods", "patch", "patch_status", "path", "peering_references", "serves"]
+__all__ = ["MERGE_PATCH", "APIError", "DaemonStopper", "Logger", "NotFound", "PeeringIdentity", "delete", "get",
+           "get_deployment", "get_existing", "list_pods", "patch", "patch_status", "path", "peering_references",
+           "serves"]

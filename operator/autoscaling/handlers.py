@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import kopf
-from pagoda.operator import crd, operator_metrics
+from pagoda.operator import crd, daemons, operator_metrics
 from pagoda.operator.autoscaling import kube, scale_status
 from pagoda.operator.autoscaling.collect import PodSample, query_prometheus, scrape_pods
 from pagoda.operator.autoscaling.config import Collection, collection_from_spec, policy_from_spec
@@ -173,4 +173,4 @@ async def autoscaler(stopped: kopf.DaemonStopped, name: str, namespace: str, spe
             # A missed round is harmless: the next one starts from fresh observations.
             operator_metrics.ERRORS.labels("autoscale").inc()
             logger.warning(f"autoscaler: round skipped: {exc!r}")
-        await stopped.wait(collection_from_spec(spec.get("autoscaling")).interval_s)
+        await daemons.pause(stopped, collection_from_spec(spec.get("autoscaling")).interval_s)
