@@ -13,8 +13,8 @@ async def pause(stopped: kopf.DaemonStopped, seconds: float) -> None:
 
     Not `await stopped.wait(seconds)`: kopf runs that wait as a task of its own, which ends in a
     TimeoutError, and when the operator exits while one is pending, `kopf.operator()` re-raises that
-    error (the operator tests' exits failed so about one run in three). Here the timeout is raised
-    in the daemon's own task, and kopf's wait task only ever ends done or cancelled.
+    error (seen as operator exits failing in the tests, now and then). Here the timeout is raised in
+    the daemon's own task, and kopf's wait task only ever ends done or cancelled.
     """
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stopped.wait(), seconds)
