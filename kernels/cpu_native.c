@@ -2637,7 +2637,7 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
  * token). int8 rows (llama.cpp's Q8 activations) were faster still (the GGUF one-row step 18.1 -> 12.0
  * ms against 13.4 for int16) but changed the greedy answers twice as often as the 4-bit weights do
  * (docs/benchmarks.md). The mins' part keeps x's exact fp32 group sums. */
-struct int16_rows {
+struct int16_rows { /* one allocation: free(scales) */
     int16_t *values; /* [M][K] */
     float *scales;   /* [M][K / 32] */
     float *sums;     /* [M][K / group]: fp32 sums of x */
@@ -2714,7 +2714,7 @@ int pagoda_linear_int4(const void *x, const uint8_t *q, const float *scales, con
             prefetch_span(sn + (int64_t)ahead * groups, 4 * groups);
             prefetch_span(mn + (int64_t)ahead * groups, 4 * groups);
         }
-        for (int m = 0; m < M; m++) {
+        for (int m = 0; m < M; m++) { /* GGUF's groups of 32 as a constant: a chunk's group is the chunk */
             const int16_t *xq = rows.values + (int64_t)m * K;
             const float *xs = rows.scales + (int64_t)m * chunks, *sm = rows.sums + (int64_t)m * groups;
             const float v = group == 32 ? int4_row_int16(xq, xs, qn, sn, mn, sm, K, 32)
