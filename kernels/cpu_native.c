@@ -2643,6 +2643,27 @@ struct int16_rows { /* one allocation: free(scales) */
     float *sums;     /* [M][K / group]: fp32 sums of x */
 };
 
+/* 32 values to int16 at the scale their largest magnitude takes to 32767 (returned), each rounded to
+ * nearest even as lrintf rounds (the conversion's default mode): for finite values the same bits. A
+ * libm call per value and a scalar max, on one thread while the other waits, cost the AVX2 build's
+ * one-row GGUF step 0.4-0.6 of its 6.0-7.6 ms on Zen 5. */
+INLINE float quantize_chunk_int16(const float *v, int16_t *out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        top = _mm256_max_ps(top, _mm256_and_ps(x[i], magnitude));
+    }
+    const float largest = hmax8(top);
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+    for (int i = 0; i < 4; i += 2) { /* packs interleaves 128-bit halves: the permute puts them back in order */
+        const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse)),
+                                                  _mm256_cvtps_epi32(_mm256_mul_ps(x[i + 1], inverse)));
+        _mm256_storeu_si256((__m256i *)(out + 8 * i), _mm256_permute4x64_epi64(packed, 0xd8));
+    }
+    return largest / 32767.0f;
+}
+
 static int quantize_rows_int16(const void *x, int M, int K, int group, int dtype, struct int16_rows *out) {
     const int chunks = K / 32, groups = K / group;
     char *memory = malloc((size_t)M * K * sizeof(int16_t) + ((size_t)M * (chunks + groups) + K) * sizeof(float));
@@ -2658,14 +2679,8 @@ static int quantize_rows_int16(const void *x, int M, int K, int group, int dtype
             for (int i = 0; i < group; i++) s += row[g * group + i];
             out->sums[(int64_t)m * groups + g] = s;
         }
-        for (int c = 0; c < chunks; c++) {
-            const float *v = row + 32 * c;
-            float top = 0.0f;
-            for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(v[i]));
-            const float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
-            out->scales[(int64_t)m * chunks + c] = top / 32767.0f;
-            for (int i = 0; i < 32; i++) out->values[(int64_t)m * K + 32 * c + i] = (int16_t)lrintf(v[i] * inverse);
-        }
+        for (int c = 0; c < chunks; c++)
+            out->scales[(int64_t)m * chunks + c] = quantize_chunk_int16(row + 32 * c, out->values + (int64_t)m * K + 32 * c);
     }
     return 0;
 }
