@@ -267,6 +267,25 @@ def test_int8_linear_matches_the_dequantized_weight(dtype, out_features, in_feat
     assert cpu_native.int8_linear(x.expand(2, -1), q, scales, bias) is None  # more rows: torch's kernel
 
 
+def test_avx2_low_bit_rows_are_rounded_to_int16_per_32_inputs(generator):
+    """On AVX2 the low-bit kernels multiply integers: each 32 inputs of the row are scaled so that
+    their largest magnitude is 32767 and rounded to nearest, ties to even. Through the int8 head with
+    the identity as its weight, each output is its input so rounded and scaled back, bit for bit."""
+    if cpu_native.library().lanes != 8:
+        pytest.skip("the AVX2 tier's kernels (the AVX-512 one runs again under x86-64-v3)")
+    x = torch.randn(1, 96, generator=generator) * 10
+    x[0, :6] = torch.tensor([32767.0, 2.5, 3.5, -2.5, -3.5, 0.5])  # scale 1: the ties themselves
+    x[0, 32:64] = 0.0  # a chunk of zeros
+    identity, ones = torch.eye(96, dtype=torch.int8), torch.ones(96)
+    y = cpu_native.int8_linear(x, identity, ones, None)
+    chunks = x.view(-1, 32)
+    top = chunks.abs().amax(1, keepdim=True)
+    inverse = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    expected = (torch.round(chunks * inverse) * (top / 32767.0)).view(1, 96)
+    assert torch.equal(y, expected)
+    assert y[0, 1:6].tolist() == [2.0, 4.0, -2.0, -4.0, 0.0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_and_without_residual_matches_torch(dtype, generator):
     x = torch.randn(5, 576, generator=generator).to(dtype)
